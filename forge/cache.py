@@ -1,0 +1,434 @@
+"""The tuning cache: one SQLite file mapping a cache key to the decision forge made for it.
+
+Import-light on purpose (stdlib only): the runtime shim opens the cache on the first call of every
+new signature, so importing this module must not pull in torch, rich or typer.
+
+Several processes (parallel tuning runs, a training job reading while the CLI writes) may use the
+same file at once. SQLite in WAL mode gives us that: readers never block, and writers queue on
+the write lock for up to `busy_timeout_s`. Every write is one explicit `BEGIN IMMEDIATE`
+transaction, so no write can half-land and no writer can fail part-way on a lock it cannot upgrade.
+
+Anything SQLite reports (damaged file, not a database, locked for too long, read-only, disk full)
+leaves the public methods as a `CacheError` naming the file and saying how to recover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+DECISIONS = ("kernel", "eager")
+
+# Shortest prefix `find`/`delete` accept: shorter ones are too likely to match by accident.
+MIN_PREFIX = 4
+
+_HEX_DIGITS = frozenset("0123456789abcdef")
+_KEY_LENGTH = 64  # hex sha256
+_AMBIGUOUS_SHOWN = 5  # how many matching keys an AmbiguousKey message lists
+
+
+class CacheError(Exception):
+    """The cache DB cannot be used (damaged, not a database, newer schema, unwritable).
+
+    The message always names the file and says how to recover."""
+
+
+class AmbiguousKey(CacheError):
+    """A key prefix matches several entries."""
+
+
+class KeyNotFound(CacheError):
+    """No entry matches a key or key prefix."""
+
+
+def default_cache_path() -> Path:
+    """$FORGE_CACHE_DIR/forge.db if FORGE_CACHE_DIR is set, else $XDG_CACHE_HOME/forge/forge.db,
+    else ~/.cache/forge/forge.db."""
+    # An empty variable counts as unset, the usual shell convention (`FORGE_CACHE_DIR= forge ...`).
+    forge_dir = os.environ.get("FORGE_CACHE_DIR")
+    if forge_dir:
+        return Path(forge_dir).expanduser() / "forge.db"
+    # The XDG base-directory spec says a relative XDG_CACHE_HOME is invalid and must be ignored.
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "forge" / "forge.db"
+    return Path.home() / ".cache" / "forge" / "forge.db"
+
+
+@dataclass
+class Entry:
+    """One cached decision. Field order is the column order of the `entries` table."""
+
+    key: str  # hex sha256 (64 chars), see forge.spec.cache_key
+    op: str
+    spec: dict  # KernelSpec.to_dict()
+    env: dict  # environment fingerprint; has at least "backend"
+    decision: str  # "kernel" or "eager"
+    variant: str | None
+    params: dict | None
+    source: str | None  # rendered Triton source of the winner (None for eager)
+    source_sha256: str | None
+    template_hash: str
+    winner: dict | None  # {"p20", "p50", "p80"} in microseconds; None for eager
+    baseline: dict | None  # same quantiles for the eager baseline
+    candidates: list  # one summary dict per candidate tried
+    search_seconds: float
+    forge_version: str
+    created_at: float  # unix time
+
+    @property
+    def speedup(self) -> float | None:
+        """Eager p50 / winner p50, when both were measured."""
+        if not self.winner or not self.baseline:
+            return None
+        winner_p50 = self.winner.get("p50")
+        baseline_p50 = self.baseline.get("p50")
+        if winner_p50 is None or baseline_p50 is None or winner_p50 <= 0:
+            return None
+        return baseline_p50 / winner_p50
+
+
+_COLUMNS = tuple(f.name for f in fields(Entry))
+_JSON_COLUMNS = frozenset({"spec", "env", "params", "winner", "baseline", "candidates"})
+
+# Every statement is idempotent (IF NOT EXISTS) and runs inside BEGIN IMMEDIATE, so two processes
+# creating the same brand-new file serialize on the write lock and the second one finds it done.
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS entries (
+        key            TEXT PRIMARY KEY,
+        op             TEXT NOT NULL,
+        spec           TEXT,
+        env            TEXT,
+        decision       TEXT NOT NULL CHECK (decision IN ('kernel', 'eager')),
+        variant        TEXT,
+        params         TEXT,
+        source         TEXT,
+        source_sha256  TEXT,
+        template_hash  TEXT,
+        winner         TEXT,
+        baseline       TEXT,
+        candidates     TEXT,
+        search_seconds REAL,
+        forge_version  TEXT,
+        created_at     REAL
+    )""",
+    "CREATE INDEX IF NOT EXISTS entries_op ON entries (op)",
+)
+
+_SELECT = f"SELECT {', '.join(_COLUMNS)} FROM entries"
+_INSERT = (
+    f"INSERT OR REPLACE INTO entries ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+)
+
+
+def _move_aside(path: Path) -> str:
+    return (
+        f"move it aside: mv {shlex.quote(str(path))} {shlex.quote(str(path) + '.bak')}; "
+        "forge will create a fresh cache"
+    )
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    # sqlite_errorname (3.11+) carries the extended code, e.g. SQLITE_BUSY_RECOVERY; the message
+    # text is the fallback for errors raised by the sqlite3 module itself, which have no code.
+    name = getattr(exc, "sqlite_errorname", None) or ""
+    return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in str(exc).lower()
+
+
+def _translate(path: Path, exc: sqlite3.Error, busy_timeout_s: float) -> CacheError:
+    """Turn an sqlite3 exception into a CacheError that names the file and the way out."""
+    name = getattr(exc, "sqlite_errorname", None) or ""
+    text = str(exc)
+    lowered = text.lower()
+    if name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "not a database" in lowered \
+            or "malformed" in lowered:
+        return CacheError(
+            f"forge cache {path} is damaged or is not a forge cache ({text}); {_move_aside(path)}"
+        )
+    if _is_busy(exc):
+        return CacheError(
+            f"forge cache {path} is locked by another process ({text}; busy timeout {busy_timeout_s:g} s); "
+            f"retry when other forge processes have finished, or if none is running, {_move_aside(path)}"
+        )
+    if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")) or "readonly" in lowered \
+            or "unable to open" in lowered:
+        return CacheError(
+            f"forge cache {path} cannot be opened for writing ({text}); make {path} and its directory "
+            "writable, or set FORGE_CACHE_DIR to a writable directory"
+        )
+    if name.startswith("SQLITE_FULL") or "disk is full" in lowered:
+        return CacheError(f"forge cache {path} cannot be written: the disk is full ({text}); free some space")
+    return CacheError(f"forge cache {path} cannot be used ({text}); if this persists, {_move_aside(path)}")
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    # IMMEDIATE takes the write lock up front (waiting up to the busy timeout). A deferred
+    # transaction that reads first and writes later can fail at once with SQLITE_BUSY_SNAPSHOT in
+    # WAL mode, without the busy handler ever being consulted.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            # If the rollback fails too, SQLite has already rolled back; the first error is the one
+            # worth reporting.
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        raise
+
+
+def _encode_json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _check_entry(entry: Entry) -> None:
+    """Reject entries that would be wrong to store. These are forge bugs, hence ValueError."""
+    if len(entry.key) != _KEY_LENGTH or not set(entry.key) <= _HEX_DIGITS:
+        raise ValueError(f"cache key must be {_KEY_LENGTH} lowercase hex characters, got {entry.key!r}")
+    if entry.decision not in DECISIONS:
+        raise ValueError(f"decision must be one of {DECISIONS}, got {entry.decision!r}")
+    if entry.decision == "kernel" and entry.source is None:
+        raise ValueError(f"entry {entry.key} decides 'kernel' but has no source")
+    if entry.source is not None:
+        digest = hashlib.sha256(entry.source.encode()).hexdigest()
+        if entry.source_sha256 != digest:
+            raise ValueError(
+                f"entry {entry.key}: source_sha256 {entry.source_sha256!r} does not match its source "
+                f"(sha256 {digest})"
+            )
+
+
+class Cache:
+    """The cache file at `path`, created (with its directories) if missing.
+
+    One SQLite connection per Cache; a lock makes one Cache object safe to share between threads.
+    Use as a context manager, or call close().
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout_s: float = 60.0) -> None:
+        self.path = Path(path).expanduser()
+        self._busy_timeout_s = busy_timeout_s
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(
+                f"cannot create the directory of forge cache {self.path} ({exc.strerror or exc}); "
+                "set FORGE_CACHE_DIR to a writable directory"
+            ) from exc
+        try:
+            # isolation_level=None: the sqlite3 module opens no transactions of its own; we issue
+            # BEGIN/COMMIT explicitly. `timeout` is SQLite's busy timeout.
+            self._conn = sqlite3.connect(
+                self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as exc:
+            raise _translate(self.path, exc, busy_timeout_s) from exc
+        try:
+            with self._use() as conn:
+                # A zero-byte or missing file is a new, empty database to SQLite. Garbage in the
+                # file is detected here, when the header is first read.
+                self._enable_wal(conn)
+                # In WAL mode NORMAL is still safe against application crashes (only a power cut
+                # can lose the last commits), and it saves an fsync per write. Fine for a cache.
+                conn.execute("PRAGMA synchronous=NORMAL")
+                with _transaction(conn):
+                    self._ensure_schema(conn)
+        except BaseException:
+            self.close()
+            raise
+
+    def _enable_wal(self, conn: sqlite3.Connection) -> None:
+        """Switch the file to WAL mode (a persistent property of the file, so usually a no-op)."""
+        # Switching needs an exclusive lock, and SQLite answers SQLITE_BUSY at once, without
+        # consulting the busy handler, when another connection holds a lock (e.g. a second process
+        # creating the same new file at the same moment). So wait here, up to the busy timeout.
+        deadline = time.monotonic() + self._busy_timeout_s
+        delay = 0.001
+        while True:
+            try:
+                if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    # The result may be another mode where WAL is impossible (e.g. a filesystem
+                    # without shared memory); the cache still works then, with less concurrency.
+                    conn.execute("PRAGMA journal_mode=WAL").fetchone()
+                return
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _ensure_schema(self, conn: sqlite3.Connection) -> None:
+        has_version_table = conn.execute(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+        ).fetchone()[0]
+        if not has_version_table:
+            if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                # Some other program's database: do not add our tables to it.
+                raise CacheError(
+                    f"{self.path} is an SQLite database but not a forge cache; {_move_aside(self.path)}"
+                )
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            return
+        rows = conn.execute("SELECT version FROM schema_version").fetchall()
+        if len(rows) != 1 or not isinstance(rows[0][0], int):
+            raise CacheError(f"forge cache {self.path} has a damaged schema_version table; "
+                             f"{_move_aside(self.path)}")
+        version = rows[0][0]
+        if version > SCHEMA_VERSION:
+            raise CacheError(
+                f"forge cache {self.path} has schema version {version}, newer than this forge supports "
+                f"({SCHEMA_VERSION}); upgrade forge, or {_move_aside(self.path)}"
+            )
+        if version < SCHEMA_VERSION:  # no older version has ever shipped; migrations will go here
+            raise CacheError(
+                f"forge cache {self.path} has unknown schema version {version}; {_move_aside(self.path)}"
+            )
+
+    @contextlib.contextmanager
+    def _use(self) -> Iterator[sqlite3.Connection]:
+        """Exclusive use of the connection; sqlite3 errors leave as CacheError."""
+        with self._lock:
+            if self._conn is None:
+                # Using a closed cache is a programming error, like I/O on a closed file.
+                raise ValueError(f"forge cache {self.path} is closed")
+            try:
+                yield self._conn
+            except sqlite3.Error as exc:
+                raise _translate(self.path, exc, self._busy_timeout_s) from exc
+
+    def _row_to_entry(self, row: tuple) -> Entry:
+        values = dict(zip(_COLUMNS, row, strict=True))
+        try:
+            for name in _JSON_COLUMNS:
+                if values[name] is not None:
+                    values[name] = json.loads(values[name])
+        except (TypeError, ValueError) as exc:
+            raise CacheError(
+                f"entry {values['key']} of forge cache {self.path} is damaged ({exc}); delete that entry, "
+                f"or {_move_aside(self.path)}"
+            ) from exc
+        return Entry(**values)
+
+    def _resolve(self, conn: sqlite3.Connection, key_or_prefix: str) -> str:
+        """The one key that `key_or_prefix` names (case-insensitive, surrounding spaces ignored)."""
+        prefix = key_or_prefix.strip().lower()
+        if not MIN_PREFIX <= len(prefix) <= _KEY_LENGTH or not set(prefix) <= _HEX_DIGITS:
+            raise KeyNotFound(
+                f"{key_or_prefix!r} is not a cache key or key prefix (expected {MIN_PREFIX} to "
+                f"{_KEY_LENGTH} hex characters); nothing looked up in forge cache {self.path}"
+            )
+        # GLOB is case-sensitive, so SQLite can answer it from the primary-key index; the prefix is
+        # plain hex, so it contains no GLOB wildcards.
+        keys = [row[0] for row in conn.execute(
+            "SELECT key FROM entries WHERE key GLOB ? ORDER BY key LIMIT ?",
+            (prefix + "*", _AMBIGUOUS_SHOWN + 1),
+        )]
+        if not keys:
+            raise KeyNotFound(f"no entry of forge cache {self.path} matches {prefix!r}")
+        if len(keys) > 1:
+            shown = ", ".join(keys[:_AMBIGUOUS_SHOWN]) + (", ..." if len(keys) > _AMBIGUOUS_SHOWN else "")
+            raise AmbiguousKey(
+                f"{prefix!r} matches several entries of forge cache {self.path} ({shown}); "
+                "give more characters of the key"
+            )
+        return keys[0]
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def get(self, key: str) -> Entry | None:
+        """The entry stored under exactly `key`, or None."""
+        with self._use() as conn:
+            row = conn.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
+        return None if row is None else self._row_to_entry(row)
+
+    def find(self, key_or_prefix: str) -> Entry:
+        """The entry whose key is `key_or_prefix` or starts with it (at least MIN_PREFIX hex chars).
+
+        Raises KeyNotFound or AmbiguousKey."""
+        with self._use() as conn:
+            key = self._resolve(conn, key_or_prefix)
+            row = conn.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
+        if row is None:  # another process deleted it between the two queries
+            raise KeyNotFound(f"no entry of forge cache {self.path} matches {key_or_prefix!r}")
+        return self._row_to_entry(row)
+
+    def entries(self, op: str | None = None) -> list[Entry]:
+        """All entries (of `op`, if given), newest first."""
+        # key breaks ties so the order is deterministic.
+        with self._use() as conn:
+            if op is None:
+                rows = conn.execute(f"{_SELECT} ORDER BY created_at DESC, key").fetchall()
+            else:
+                rows = conn.execute(f"{_SELECT} WHERE op = ? ORDER BY created_at DESC, key", (op,)).fetchall()
+        return [self._row_to_entry(row) for row in rows]
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def put(self, entry: Entry) -> None:
+        """Store `entry`, replacing any entry with the same key.
+
+        Raises ValueError for an inconsistent entry (bad key, unknown decision, source hash mismatch)."""
+        _check_entry(entry)
+        # Encode before taking any lock: a value json cannot encode is the caller's TypeError.
+        row = tuple(
+            _encode_json(getattr(entry, name)) if name in _JSON_COLUMNS else getattr(entry, name)
+            for name in _COLUMNS
+        )
+        with self._use() as conn, _transaction(conn):
+            conn.execute(_INSERT, row)
+
+    def delete(self, key_or_prefix: str) -> int:
+        """Delete the entry `key_or_prefix` names, resolved like find(); returns rows deleted."""
+        with self._use() as conn, _transaction(conn):
+            key = self._resolve(conn, key_or_prefix)
+            return conn.execute("DELETE FROM entries WHERE key = ?", (key,)).rowcount
+
+    def delete_op(self, op: str) -> int:
+        """Delete every entry of `op`; returns rows deleted."""
+        with self._use() as conn, _transaction(conn):
+            return conn.execute("DELETE FROM entries WHERE op = ?", (op,)).rowcount
+
+    def delete_all(self) -> int:
+        """Delete every entry; returns rows deleted."""
+        with self._use() as conn, _transaction(conn):
+            return conn.execute("DELETE FROM entries").rowcount
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection. Idempotent."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                try:
+                    conn.close()
+                except sqlite3.Error as exc:
+                    raise _translate(self.path, exc, self._busy_timeout_s) from exc
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Cache({str(self.path)!r})"

@@ -1,0 +1,1 @@
+"""forge command line and tuning engine."""

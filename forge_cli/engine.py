@@ -1,0 +1,329 @@
+"""The search engine: spec -> cache lookup -> candidates -> validate (parallel) -> time (serial)
+-> finalists re-timed interleaved with eager -> decision -> cache.
+
+The CLI is a thin layer over `search()`; progress is reported through an `events` callback so the
+engine never prints.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forge._version import __version__
+from forge.cache import Cache, Entry
+from forge.env import collect_env
+from forge.loader import source_sha256, write_source
+from forge.spec import DTYPES, KernelSpec, cache_key
+from forge_cli import codegen, ops, stats, strategy
+from forge_cli.errors import EnvironmentProblem, UsageError
+from forge_cli.lock import device_lock
+from forge_cli.opkit import Candidate
+from forge_cli.pool import Pool, default_size
+
+FAILED_STATUSES = ("mismatch", "compile-error", "error", "timeout", "crashed", "cuda-error")
+Events = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How many samples each phase takes, per backend. CUDA: each sample is one ~1 ms graph replay."""
+
+    screen_reps: int
+    final_rounds: int
+    settle_ms: float
+
+
+SAMPLING = {
+    # 30 screening samples put p50 within ~1% run to run for kernels >= 5 µs; 40 interleaved rounds
+    # give the finalists' p20/p80 for the decision (see docs/notes.md).
+    "cuda": Sampling(screen_reps=30, final_rounds=40, settle_ms=300.0),
+    # The interpreter is ~1e4x slower than a GPU; a few samples are enough to rank on one CPU.
+    "interpreter": Sampling(screen_reps=3, final_rounds=5, settle_ms=0.0),
+}
+
+
+@dataclass
+class SearchOptions:
+    budget: int = 50
+    strategy: str = "grid"
+    seed: int = 0
+    force: bool = False
+    timeout: float = 120.0
+    workers: int | None = None
+    finalists: int = 3
+
+
+@dataclass
+class CandidateResult:
+    candidate: Candidate
+    status: str = "pending"
+    reason: str | None = None
+    sha256: str | None = None
+    path: str | None = None
+    screen: stats.Quantiles | None = None
+    final: stats.Quantiles | None = None
+
+    @property
+    def best_quantiles(self) -> stats.Quantiles | None:
+        return self.final or self.screen
+
+    def to_dict(self, baseline: stats.Quantiles | None = None) -> dict[str, Any]:
+        q = self.best_quantiles
+        return {
+            **self.candidate.to_dict(),
+            "status": self.status,
+            "reason": self.reason,
+            "sha256": self.sha256,
+            "screen": self.screen.to_dict() if self.screen else None,
+            "final": self.final.to_dict() if self.final else None,
+            "speedup": stats.speedup(q, baseline),
+        }
+
+
+@dataclass
+class SearchReport:
+    op: str
+    spec: KernelSpec
+    env: dict[str, Any]
+    key: str
+    decision: str  # "kernel" | "eager" | "none" (every candidate failed; nothing cached)
+    cache_hit: bool
+    seconds: float
+    winner: dict[str, Any] | None = None  # {"variant", "params", "quantiles"}
+    baseline: stats.Quantiles | None = None
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    source: str | None = None
+    cache_path: str | None = None
+
+    @property
+    def backend(self) -> str:
+        return self.env["backend"]
+
+    @property
+    def speedup(self) -> float | None:
+        if self.winner is None:
+            return None
+        return stats.speedup(stats.Quantiles.from_dict(self.winner["quantiles"]), self.baseline)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "spec": self.spec.to_dict(),
+            "env": self.env,
+            "key": self.key,
+            "backend": self.backend,
+            "timing_clock": "cuda-events" if self.backend == "cuda" else "host (Triton interpreter)",
+            "decision": self.decision,
+            "cache_hit": self.cache_hit,
+            "seconds": round(self.seconds, 3),
+            "winner": self.winner,
+            "baseline": self.baseline.to_dict() if self.baseline else None,
+            "speedup": self.speedup,
+            "candidates": self.candidates,
+            "cache": self.cache_path,
+        }
+
+
+def _report_from_entry(entry: Entry, spec: KernelSpec, cache: Cache, seconds: float) -> SearchReport:
+    winner = None
+    if entry.decision == "kernel":
+        winner = {"variant": entry.variant, "params": entry.params, "quantiles": entry.winner}
+    return SearchReport(
+        op=entry.op, spec=spec, env=entry.env, key=entry.key, decision=entry.decision, cache_hit=True,
+        seconds=seconds, winner=winner,
+        baseline=stats.Quantiles.from_dict(entry.baseline) if entry.baseline else None,
+        candidates=entry.candidates, source=entry.source, cache_path=str(cache.path))
+
+
+def resolve_backend(device: str | None) -> str:
+    """'cuda' | 'cpu' | None (auto) -> backend name; raises EnvironmentProblem when impossible."""
+    from importlib.util import find_spec
+
+    if find_spec("triton") is None:
+        raise EnvironmentProblem("triton is not installed: pip install 'triton>=3.6'")
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "interpreter"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise EnvironmentProblem("--device cuda: no CUDA GPU is visible to torch "
+                                     f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
+        return "cuda"
+    if device == "cpu":
+        return "interpreter"
+    raise UsageError(f"unknown device {device!r}; expected cuda or cpu")
+
+
+def build_spec(op_name: str, shape: tuple[int, ...], dtype: str, backend: str,
+               attrs: dict[str, Any] | None = None) -> tuple[ops.OpFamily, KernelSpec]:
+    op = ops.get(op_name)
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    device = "cuda" if backend == "cuda" else "cpu"
+    try:
+        spec = op.module.make_spec(tuple(shape), dtype, device, attrs)
+    except ValueError as exc:
+        raise UsageError(f"{op_name}: {exc}") from None
+    return op, spec
+
+
+def _device_id(env: dict[str, Any]) -> str:
+    if env["backend"] != "cuda":
+        return "interpreter"
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    uuid = getattr(props, "uuid", None)
+    return f"cuda-{uuid}" if uuid is not None else f"cuda-0-{env['gpu']}"
+
+
+def search(op_name: str, shape: tuple[int, ...], dtype: str, *, device: str | None, cache: Cache,
+           attrs: dict[str, Any] | None = None, options: SearchOptions | None = None,
+           events: Events | None = None) -> SearchReport:
+    opts = options or SearchOptions()
+    if opts.budget < 1:
+        raise UsageError("--budget must be at least 1")
+    emit = events or (lambda *a, **k: None)
+    t0 = time.monotonic()
+    backend = resolve_backend(device)
+    op, spec = build_spec(op_name, shape, dtype, backend, attrs)
+    env = {**collect_env(backend), "templates": op.template_hash}
+    key = cache_key(spec, env)
+
+    if not opts.force and (entry := cache.get(key)) is not None:
+        return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
+
+    with device_lock(_device_id(env), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
+        # Another process may have decided this key while we waited for the device.
+        if not opts.force and (entry := cache.get(key)) is not None:
+            return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
+        return _search_locked(op, spec, env, key, backend, cache, opts, emit, t0)
+
+
+def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit: Events,
+                   t0: float) -> SearchReport:
+    space = op.module.space(spec)
+    first = op.module.default(spec)
+    strat = strategy.make(opts.strategy, opts.seed, first if first in space else None)
+    sampling = SAMPLING[backend]
+    src_dir = Path(cache.path).parent / "kernels-src"
+    log_dir = Path(tempfile.mkdtemp(prefix="forge-workers-"))
+    results: dict[Candidate, CandidateResult] = {}
+    baseline: stats.Quantiles | None = None
+    setup = {"cmd": "setup", "op": op.name, "spec": spec.to_dict(), "seed": opts.seed}
+    size = opts.workers or default_size(backend)
+
+    emit("start", budget=opts.budget, backend=backend, workers=size)
+    pool = Pool(backend, size, log_dir, setup).start()
+    try:
+        while len(results) < opts.budget:
+            batch = strat.propose(space, results, opts.budget - len(results))
+            if not batch:
+                break
+            emit("batch", size=len(batch))
+            for cand in batch:
+                source = codegen.render(op, spec, cand)
+                res = CandidateResult(cand, sha256=source_sha256(source))
+                res.path = str(write_source(source, src_dir))
+                results[cand] = res
+
+            # Phase 1: compile + validate, in parallel on all workers.
+            def on_validated(cand: Candidate, reply: dict) -> None:
+                r = results[cand]
+                r.status, r.reason = reply["status"], reply.get("reason")
+                emit("validated", result=r)
+
+            pool.map([(c, {"cmd": "validate", "path": results[c].path}) for c in batch], opts.timeout,
+                     on_validated)
+
+            # Phase 2: time the valid ones one at a time on one worker (the others are idle).
+            if baseline is None:
+                reply = pool.call({"cmd": "time", "paths": [], "baseline": True,
+                                   "reps": sampling.screen_reps, "settle_ms": sampling.settle_ms},
+                                  opts.timeout)
+                if reply["status"] != "ok":
+                    raise EnvironmentProblem(f"timing the eager baseline failed: {reply.get('reason')}")
+                baseline = stats.Quantiles.of(reply["samples"]["eager"])
+                emit("baseline", quantiles=baseline)
+            for cand in batch:
+                r = results[cand]
+                if r.status != "ok":
+                    continue
+                reply = pool.call({"cmd": "time", "paths": [r.path], "reps": sampling.screen_reps},
+                                  opts.timeout)
+                if reply["status"] == "ok":
+                    r.screen = stats.Quantiles.of(reply["samples"][r.path])
+                else:  # it validated but failed while being timed (e.g. graph capture, timeout)
+                    r.status, r.reason = reply["status"], reply.get("reason")
+                emit("timed", result=r)
+
+        decision, winner, source, baseline = _decide(pool, results, baseline, sampling, opts, emit)
+    finally:
+        pool.close()
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+    seconds = time.monotonic() - t0
+    summary = [r.to_dict(baseline) for r in sorted(results.values(), key=_rank)]
+    report = SearchReport(op=op.name, spec=spec, env=env, key=key, decision=decision, cache_hit=False,
+                          seconds=seconds, baseline=baseline, candidates=summary, source=source,
+                          cache_path=str(cache.path))
+    if winner is not None:
+        report.winner = {"variant": winner.candidate.variant, "params": winner.candidate.p,
+                         "quantiles": winner.final.to_dict()}
+    if decision != "none":
+        cache.put(Entry(
+            key=key, op=op.name, spec=spec.to_dict(), env=env, decision=decision,
+            variant=winner.candidate.variant if winner else None,
+            params=winner.candidate.p if winner else None,
+            source=source, source_sha256=source_sha256(source) if source else None,
+            template_hash=op.template_hash,
+            winner=winner.final.to_dict() if winner else None,
+            baseline=baseline.to_dict() if baseline else None,
+            candidates=summary, search_seconds=seconds, forge_version=__version__, created_at=time.time()))
+    return report
+
+
+def _rank(r: CandidateResult) -> tuple:
+    q = r.best_quantiles
+    return (0, q.p50) if q is not None else (1, r.status)
+
+
+def _decide(pool: Pool, results: dict[Candidate, CandidateResult], baseline, sampling: Sampling,
+            opts: SearchOptions, emit: Events):
+    """Finalists (top by screening p50) re-timed in alternation with eager; the best is accepted only
+    if p80(candidate) < p20(eager) / 1.03. Returns (decision, winner, source, baseline)."""
+    timed = sorted((r for r in results.values() if r.screen is not None), key=lambda r: r.screen.p50)
+    if not timed:
+        return "none", None, None, baseline
+    finalists = timed[: opts.finalists]
+    emit("finalists", results=finalists)
+    while finalists:
+        reply = pool.call({"cmd": "time", "paths": [r.path for r in finalists], "baseline": True,
+                           "rounds": sampling.final_rounds, "reps": 1, "settle_ms": sampling.settle_ms},
+                          opts.timeout * (len(finalists) + 1))
+        if reply["status"] == "ok":
+            break
+        # A finalist failed while being re-timed: record it and shoot out without it.
+        failed_path = reply.get("failed")
+        for r in finalists:
+            if failed_path is None or r.path == failed_path:
+                r.status, r.reason, r.screen = reply.get("status", "error"), reply.get("reason"), None
+        finalists = [r for r in finalists if r.screen is not None]
+    if not finalists:
+        return "none", None, None, baseline
+    baseline = stats.Quantiles.of(reply["samples"]["eager"])
+    for r in finalists:
+        r.final = stats.Quantiles.of(reply["samples"][r.path])
+    best = min(finalists, key=lambda r: r.final.p50)
+    accepted = stats.accepts(best.final, baseline)
+    emit("decided", accepted=accepted, best=best, baseline=baseline)
+    if not accepted:
+        return "eager", None, None, baseline
+    return "kernel", best, Path(best.path).read_text(), baseline

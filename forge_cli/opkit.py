@@ -1,0 +1,214 @@
+"""Building blocks shared by the op families in kernels/ (search-space types, input distributions,
+tolerances). Imports torch lazily-free: op modules need torch anyway, the CLI's parent process
+does not import this module's torch-using functions until a worker runs them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+DISTRIBUTIONS = ("normal", "large", "tiny", "outliers")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of a search space: a structural variant (a template) and its parameters."""
+
+    variant: str
+    params: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def make(cls, variant: str, **params: Any) -> Candidate:
+        return cls(variant, tuple(sorted(params.items())))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Candidate:
+        return cls.make(d["variant"], **d["params"])
+
+    @property
+    def p(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"variant": self.variant, "params": self.p}
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant}({', '.join(f'{k}={v}' for k, v in self.params)})"
+
+    @property
+    def key(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+@dataclass
+class Space:
+    """variants: variant -> {param: [choices]}; valid: the ONE rule saying which points are allowed."""
+
+    variants: dict[str, dict[str, list[Any]]]
+    valid: Callable[[Candidate], bool]
+
+    def points(self, variant: str) -> list[Candidate]:
+        grid = self.variants[variant]
+        names = sorted(grid)
+        out = []
+        for values in itertools.product(*(grid[n] for n in names)):
+            cand = Candidate(variant, tuple(zip(names, values, strict=True)))
+            if self.valid(cand):
+                out.append(cand)
+        return out
+
+    def all_points(self) -> Iterator[Candidate]:
+        for variant in self.variants:
+            yield from self.points(variant)
+
+    def __contains__(self, cand: Candidate) -> bool:
+        grid = self.variants.get(cand.variant)
+        if grid is None or set(grid) != {k for k, _ in cand.params}:
+            return False
+        return all(v in grid[k] for k, v in cand.params) and self.valid(cand)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Pass iff ‖out−ref‖/‖ref‖ <= rel_norm AND |out−ref| <= atol + rtol·|ref| element-wise."""
+
+    rel_norm: float
+    atol: float
+    rtol: float
+
+
+# Output rounding alone is 2^-11 (fp16), 2^-8 (bf16), 2^-24 (fp32) relative; the bounds below leave
+# room for fp32 accumulation-order differences and Triton's approximate rsqrt/exp (a few ulp).
+ROW_TOLERANCE = {
+    "float32": Tolerance(rel_norm=1e-5, atol=1e-6, rtol=1e-4),
+    "float16": Tolerance(rel_norm=2e-3, atol=1e-5, rtol=2e-3),
+    "bfloat16": Tolerance(rel_norm=1e-2, atol=1e-5, rtol=1.6e-2),
+}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def torch_device(spec_device: str) -> str:
+    return "cuda" if spec_device == "cuda" else "cpu"
+
+
+def random_tensor(shape, dtype: str, device: str, gen, distribution: str, *, base: float = 0.0):
+    """Seeded test data. Never zeros: they hide unwritten outputs and bad indexing.
+
+    normal: N(base, 1); large: ×1e3 (fp16, whose max is 65504) or ×1e5; tiny: ×1e-4;
+    outliers: N(0,1) with ~0.1% of elements set to ±large.
+    """
+    import torch
+
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {distribution!r}")
+    x = torch.randn(tuple(shape), generator=gen, dtype=torch.float64)
+    if distribution == "large":
+        x = x * (1e3 if dtype == "float16" else 1e5)
+    elif distribution == "tiny":
+        x = x * 1e-4
+    elif distribution == "outliers":
+        mask = torch.rand(tuple(shape), generator=gen, dtype=torch.float64) < 1e-3
+        big = 1e3 if dtype == "float16" else 1e4
+        sign = torch.where(torch.rand(tuple(shape), generator=gen, dtype=torch.float64) < 0.5, -1.0, 1.0)
+        x = torch.where(mask, sign * big, x)
+    x = x + base
+    return x.to(torch_dtype(dtype)).to(torch_device(device))
+
+
+def generator(seed: int):
+    import torch
+
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-wise ops over the last dimension (norms, softmax, row reductions) share one structure:
+# a [M, N] view, and three structural variants:
+#   row      - one row per program, the whole row in registers (BLOCK_N = next_pow2(N))
+#   looped   - one row per program, loops over column blocks (long rows that would spill)
+#   multirow - ROWS rows per program, whole rows in registers (short rows, many of them)
+
+ROW_VARIANTS = ("row", "looped", "multirow")
+# fp32 values per thread above which the whole-row variants spill registers on Hopper
+# (x and w both live in registers; 64 fp32 each ≈ 128 of 255 registers).
+MAX_ELEMS_PER_THREAD = 64
+MAX_LOOP_ELEMS_PER_THREAD = 32
+
+
+def rows_cols(spec) -> tuple[int, int]:
+    shape = spec.inputs[0].shape
+    n = shape[-1]
+    m = 1
+    for s in shape[:-1]:
+        m *= s
+    return m, n
+
+
+def row_space(spec) -> Space:
+    m, n = rows_cols(spec)
+    block = next_pow2(n)
+    on_gpu = spec.device == "cuda"
+
+    def valid(c: Candidate) -> bool:
+        p = c.p
+        warps = p["num_warps"]
+        if c.variant == "looped":
+            if not p["BLOCK_N"] < block:  # a single block is the `row` variant
+                return False
+            if not on_gpu and p["num_stages"] != 1:  # pipelining does not exist in the interpreter
+                return False
+            per_thread = p["BLOCK_N"] / (32 * warps)
+            return per_thread <= MAX_LOOP_ELEMS_PER_THREAD and (warps == 1 or per_thread >= 1)
+        rows = p.get("ROWS", 1)
+        if c.variant == "multirow" and rows > next_pow2(m):
+            return False
+        per_thread = rows * block / (32 * warps)
+        return per_thread <= MAX_ELEMS_PER_THREAD and (warps == 1 or per_thread >= 1)
+
+    return Space(
+        variants={
+            "row": {"num_warps": [1, 2, 4, 8, 16, 32]},
+            "looped": {"BLOCK_N": [256, 512, 1024, 2048, 4096, 8192], "num_warps": [2, 4, 8, 16],
+                       "num_stages": [1, 2, 3]},
+            "multirow": {"ROWS": [2, 4, 8, 16, 32], "num_warps": [1, 2, 4, 8, 16]},
+        },
+        valid=valid,
+    )
+
+
+def row_default(spec) -> Candidate:
+    """An untuned but sensible choice: whole row with ~8 fp32 values per thread, else looped."""
+    _, n = rows_cols(spec)
+    block = next_pow2(n)
+    if block <= 16384:
+        warps = min(32, max(1, block // 256))
+        return Candidate.make("row", num_warps=warps)
+    return Candidate.make("looped", BLOCK_N=4096, num_warps=8, num_stages=2 if spec.device == "cuda" else 1)
+
+
+def row_render_context(spec, cand: Candidate, op: str) -> dict[str, Any]:
+    _, n = rows_cols(spec)
+    ctx = dict(cand.p)
+    ctx.setdefault("ROWS", 1)
+    ctx.setdefault("num_stages", 1)
+    if cand.variant != "looped":
+        ctx["BLOCK_N"] = next_pow2(n)
+    ctx["kernel_name"] = f"forge_{op}_{cand.variant}"
+    ctx["variant"] = cand.variant
+    return ctx

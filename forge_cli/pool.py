@@ -1,0 +1,232 @@
+"""Worker pool in the parent: spawned subprocesses, per-request timeouts, kill-and-replace.
+
+The parent never dies because of a candidate: a worker that times out is killed, one that dies
+(segfault, os._exit) is noticed through its closed pipe, one that reports a CUDA error exits; in every
+case the failure is recorded against the candidate and a fresh worker takes its place. Healthy workers
+are reused so Python/torch start-up (~2 s on CPU) is not paid per candidate.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+from forge_cli.errors import EnvironmentProblem, ForgeError
+
+STARTUP_TIMEOUT_S = 180.0  # importing torch + triton + creating a CUDA context; slow disks seen ~20 s
+
+
+class WorkerInternalError(ForgeError):
+    """forge's own code failed inside a worker (a bug, not a candidate's fault)."""
+
+
+def _log_tail(path: Path, limit: int = 1500) -> str:
+    try:
+        data = path.read_bytes()[-limit:]
+    except OSError:
+        return ""
+    return data.decode(errors="replace").strip()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+@dataclass
+class Worker:
+    index: int
+    proc: Any
+    conn: Any
+    log: Path
+    ready: bool = False
+    task: Any = None
+    deadline: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+
+class Pool:
+    def __init__(self, backend: str, size: int, log_dir: Path, setup: dict):
+        self.backend = backend
+        self.size = max(1, size)
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.setup_msg = setup
+        self.ctx = mp.get_context("spawn")
+        self.workers: list[Worker] = []
+        self._serial = 0
+        self.replaced = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def _spawn(self) -> Worker:
+        from forge_cli import worker as worker_mod
+
+        self._serial += 1
+        log = self.log_dir / f"worker-{self._serial}.log"
+        parent_conn, child_conn = self.ctx.Pipe()
+        proc = self.ctx.Process(target=worker_mod.main, args=(child_conn, self.backend, str(log)),
+                                daemon=True, name=f"forge-worker-{self._serial}")
+        proc.start()
+        child_conn.close()
+        return Worker(self._serial, proc, parent_conn, log)
+
+    def _await_ready(self, workers: list[Worker]) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = {w.conn: w for w in workers if not w.ready}
+        while waiting:
+            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                for w in waiting.values():
+                    self._kill(w)
+                raise EnvironmentProblem(
+                    f"worker did not start within {STARTUP_TIMEOUT_S:.0f} s; log: {_log_tail(w.log)}")
+            for conn in ready:
+                w = waiting.pop(conn)
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    w.proc.join(5)
+                    raise EnvironmentProblem(
+                        f"worker failed to start ({_describe_exit(w.proc.exitcode)}):\n{_log_tail(w.log)}"
+                    ) from None
+                if msg.get("status") != "ready":
+                    raise EnvironmentProblem(f"worker sent {msg!r} instead of ready")
+                w.ready = True
+                w.conn.send(self.setup_msg)
+                reply = w.conn.recv()
+                if reply.get("status") != "ok":
+                    raise WorkerInternalError(f"worker setup failed: {reply.get('reason')}")
+
+    def start(self) -> Pool:
+        self.workers = [self._spawn() for _ in range(self.size)]
+        self._await_ready(self.workers)
+        return self
+
+    def _kill(self, w: Worker) -> None:
+        if w.proc.is_alive():
+            w.proc.kill()
+        w.proc.join(10)
+        w.conn.close()
+
+    def _replace(self, w: Worker) -> Worker:
+        self._kill(w)
+        self.replaced += 1
+        fresh = self._spawn()
+        self.workers[self.workers.index(w)] = fresh
+        self._await_ready([fresh])
+        return fresh
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                if w.proc.is_alive():
+                    w.conn.send({"cmd": "exit"})
+            except (BrokenPipeError, OSError):
+                pass
+        for w in self.workers:
+            w.proc.join(5)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(5)
+            w.conn.close()
+        self.workers = []
+
+    def __enter__(self) -> Pool:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- work -------------------------------------------------------------------------------------
+    def _outcome_of_death(self, w: Worker) -> dict:
+        w.proc.join(10)
+        tail = _log_tail(w.log, 600)
+        reason = f"worker {_describe_exit(w.proc.exitcode)}"
+        if tail:
+            reason += f"; last output: {tail}"
+        return {"status": "crashed", "reason": reason}
+
+    def map(self, tasks: Iterable[tuple[Any, dict]], timeout: float,
+            on_result: Callable[[Any, dict], None] | None = None) -> dict[Any, dict]:
+        """Run (tag, request) pairs on all workers in parallel; returns tag -> reply. Replies for
+        failures forge detects from outside: timeout, crashed (and cuda-error from inside)."""
+        queue = deque(tasks)
+        results: dict[Any, dict] = {}
+
+        def finish(tag: Any, reply: dict) -> None:
+            results[tag] = reply
+            if on_result is not None:
+                on_result(tag, reply)
+
+        while queue or any(w.task is not None for w in self.workers):
+            for w in self.workers:
+                if w.task is None and queue:
+                    tag, req = queue.popleft()
+                    try:
+                        w.conn.send(req)
+                    except (BrokenPipeError, OSError):
+                        queue.appendleft((tag, req))
+                        self._replace(w)
+                        break
+                    w.task, w.deadline = (tag, req), time.monotonic() + timeout
+            busy = [w for w in self.workers if w.task is not None]
+            if not busy:
+                continue
+            next_deadline = min(w.deadline for w in busy)
+            ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
+            for w in list(busy):
+                if w.conn not in ready:
+                    continue
+                tag = w.task[0]
+                try:
+                    reply = w.conn.recv()
+                except (EOFError, OSError):
+                    w.task = None
+                    finish(tag, self._outcome_of_death(w))
+                    self._replace(w)
+                    continue
+                w.task = None
+                if reply.get("status") == "internal":
+                    raise WorkerInternalError(f"forge failed inside a worker:\n{reply['reason']}")
+                finish(tag, reply)
+                if reply.get("poisoned"):
+                    self._replace(w)
+            now = time.monotonic()
+            for w in list(self.workers):
+                if w.task is not None and now >= w.deadline and w.conn not in ready:
+                    tag = w.task[0]
+                    w.task = None
+                    finish(tag, {"status": "timeout", "reason": f"no answer within {timeout:g} s; worker killed"})
+                    self._replace(w)
+        return results
+
+    def call(self, request: dict, timeout: float) -> dict:
+        """One request on the first worker (the timing lane)."""
+        saved = self.workers
+        self.workers = saved[:1]
+        try:
+            return self.map([("call", request)], timeout)["call"]
+        finally:
+            saved[0] = self.workers[0]
+            self.workers = saved
+
+
+def default_size(backend: str) -> int:
+    cores = os.cpu_count() or 1
+    # Compilation is CPU-bound (~0.5-1 s per Triton kernel); beyond 8 workers the start-up of
+    # each (torch import + context) costs more than it saves for a 50-candidate budget.
+    return max(1, min(8, cores)) if backend == "cuda" else max(1, min(2, cores))

@@ -1,0 +1,55 @@
+"""The one statistics module: quantiles of timing samples and the accept/reject decision."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# A candidate must beat eager by a clear margin, not by noise: its slow end (p80) must be below
+# eager's fast end (p20) divided by this. 3% is larger than the run-to-run spread we measure for
+# kernels above ~5 µs with graph replay (docs/notes.md), so a "win" survives a re-run.
+ACCEPT_MARGIN = 1.03
+
+
+def quantile(samples: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default method), 0 <= q <= 1."""
+    if not samples:
+        raise ValueError("quantile of no samples")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be within [0, 1], got {q}")
+    xs = sorted(samples)
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Quantiles:
+    p20: float
+    p50: float
+    p80: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Quantiles:
+        return cls(quantile(samples, 0.2), quantile(samples, 0.5), quantile(samples, 0.8), len(samples))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"p20": self.p20, "p50": self.p50, "p80": self.p80, "n": self.n}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Quantiles:
+        return cls(d["p20"], d["p50"], d["p80"], int(d.get("n", 0)))
+
+
+def accepts(candidate: Quantiles, baseline: Quantiles, margin: float = ACCEPT_MARGIN) -> bool:
+    """The decision rule: accept only if p80(candidate) < p20(baseline) / margin."""
+    return candidate.p80 < baseline.p20 / margin
+
+
+def speedup(candidate: Quantiles | None, baseline: Quantiles | None) -> float | None:
+    if candidate is None or baseline is None or candidate.p50 <= 0:
+        return None
+    return baseline.p50 / candidate.p50

@@ -1,0 +1,86 @@
+"""Search strategies. Pure: (space, history, budget) -> next candidates; no GPU, no I/O.
+
+A strategy is asked repeatedly until it returns nothing or the budget is spent, so adaptive
+strategies can use `history` (candidate -> outcome); grid and random ignore outcomes and only
+avoid repeats.
+"""
+
+from __future__ import annotations
+
+import random as _random
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from forge_cli.opkit import Candidate, Space
+
+
+class Strategy(Protocol):
+    def propose(self, space: Space, history: Mapping[Candidate, Any], n: int) -> list[Candidate]: ...
+
+
+def _spread(points: list[Candidate], k: int) -> list[Candidate]:
+    """k points evenly spaced over `points` (keeps both ends), in order."""
+    if k >= len(points):
+        return list(points)
+    if k <= 0:
+        return []
+    if k == 1:
+        return [points[len(points) // 2]]
+    step = (len(points) - 1) / (k - 1)
+    return [points[round(i * step)] for i in range(k)]
+
+
+class Grid:
+    """Every valid point when it fits the budget; otherwise the budget is shared round-robin across
+    structural variants and each variant's share is spread evenly over its grid, so a small budget
+    still sees every variant and both ends of each parameter range."""
+
+    def __init__(self, first: Candidate | None = None):
+        self.first = first
+
+    def propose(self, space: Space, history: Mapping[Candidate, Any], n: int) -> list[Candidate]:
+        per_variant = {v: [c for c in space.points(v) if c not in history and c != self.first]
+                       for v in space.variants}
+        out: list[Candidate] = []
+        if self.first is not None and self.first not in history and n > 0:
+            out.append(self.first)
+        remaining = n - len(out)
+        shares = dict.fromkeys(per_variant, 0)
+        active = [v for v, pts in per_variant.items() if pts]
+        while remaining > 0 and active:
+            for v in list(active):
+                if remaining == 0:
+                    break
+                if shares[v] < len(per_variant[v]):
+                    shares[v] += 1
+                    remaining -= 1
+                else:
+                    active.remove(v)
+        for v, pts in per_variant.items():
+            out.extend(_spread(pts, shares[v]))
+        return out
+
+
+class Random:
+    """Uniform over all valid points, seeded, without repeats."""
+
+    def __init__(self, seed: int = 0, first: Candidate | None = None):
+        self.rng = _random.Random(seed)
+        self.first = first
+
+    def propose(self, space: Space, history: Mapping[Candidate, Any], n: int) -> list[Candidate]:
+        out: list[Candidate] = []
+        if self.first is not None and self.first not in history and n > 0:
+            out.append(self.first)
+        pool = [c for c in space.all_points() if c not in history and c not in out]
+        k = min(n - len(out), len(pool))
+        out.extend(self.rng.sample(pool, k) if k > 0 else [])
+        return out
+
+
+def make(name: str, seed: int = 0, first: Candidate | None = None) -> Strategy:
+    if name == "grid":
+        return Grid(first)
+    if name == "random":
+        return Random(seed, first)
+    raise ValueError(f"unknown strategy {name!r}; expected grid or random")

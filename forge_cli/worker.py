@@ -1,0 +1,166 @@
+"""The worker process: compiles, validates and times candidates sent by the parent.
+
+Started with multiprocessing's *spawn* method (never forked from a parent that may hold a CUDA
+context). Protocol: the parent sends dicts over a Pipe, the worker answers one dict per request.
+Everything a candidate does wrong comes back as a value: {"status": ..., "reason": ...}. A CUDA error
+poisons the context, so after reporting one the worker exits and the parent starts a fresh one.
+
+Nothing heavy is imported at module level: TRITON_INTERPRET must be set before triton is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+CUDA_ERROR_MARKERS = ("CUDA error", "cudaError", "CUDA_ERROR", "illegal memory access",
+                      "unspecified launch failure", "device-side assert")
+
+
+def _redirect_output(log_path: str) -> None:
+    """Send this process's stdout/stderr (incl. C-level writes, e.g. a segfault message or Triton's
+    compiler output) to a log file the parent reads when we die."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _is_cuda_error(exc: BaseException) -> bool:
+    while exc is not None:
+        name = type(exc).__name__
+        if name == "AcceleratorError" or any(m in str(exc) for m in CUDA_ERROR_MARKERS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources",
+                         "PTXASError", "SyntaxError"})
+
+
+def _short(exc: BaseException, limit: int = 600) -> str:
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Session:
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.op = None
+        self.spec = None
+        self.bench = None
+        self.modules: dict[str, Any] = {}
+
+    # -- requests ---------------------------------------------------------------------------------
+    def setup(self, msg: dict) -> dict:
+        from forge.spec import KernelSpec
+        from forge_cli import ops
+
+        self.op = ops.get(msg["op"]).module
+        self.spec = KernelSpec.from_dict(msg["spec"])
+        self.seed = int(msg.get("seed", 0))
+        self.bench = None
+        self.modules.clear()
+        return {"status": "ok"}
+
+    def _load(self, path: str):
+        from forge.loader import load_module
+
+        if path not in self.modules:
+            self.modules[path] = load_module(path)
+        return self.modules[path]
+
+    def _sync(self) -> None:
+        if self.backend == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    def validate(self, msg: dict) -> dict:
+        from forge_cli.validate import CandidateRaised, check_candidate
+
+        try:
+            module = self._load(msg["path"])
+        except Exception as exc:  # noqa: BLE001 - a rendered module that fails to import
+            return {"status": "compile-error", "reason": _short(exc)}
+        try:
+            reason = check_candidate(self.op, module, self.spec, self.seed, self._sync)
+        except CandidateRaised as exc:
+            return self._failure(exc.__cause__ or exc)
+        if reason is not None:
+            return {"status": "mismatch", "reason": reason}
+        return {"status": "ok"}
+
+    def _failure(self, exc: BaseException) -> dict:
+        if _is_cuda_error(exc):
+            return {"status": "cuda-error", "reason": _short(exc), "poisoned": True}
+        if _is_compile_error(exc):
+            return {"status": "compile-error", "reason": _short(exc)}
+        return {"status": "error", "reason": _short(exc)}
+
+    def time(self, msg: dict) -> dict:
+        """Time the listed candidates (and the eager baseline if asked). With rounds > 1 the
+        contestants are sampled in alternation (A B C A B C ...) so drift affects all equally."""
+        from forge_cli.timing import Bench
+        from forge_cli.validate import CandidateRaised
+
+        if self.bench is None:
+            self.bench = Bench(self.op, self.spec, self.backend, self.seed)
+        bench = self.bench
+        samplers = {}
+        if msg.get("baseline"):
+            samplers["eager"] = bench.prepare(bench.baseline_fn())
+        for path in msg["paths"]:
+            try:
+                samplers[path] = bench.prepare(bench.candidate_fn(self._load(path)))
+            except CandidateRaised as exc:
+                return {"status": "failed", "failed": path, **self._failure(exc.__cause__ or exc)}
+        if msg.get("settle_ms"):
+            bench.settle(next(iter(samplers.values())), msg["settle_ms"])
+        samples: dict[str, list[float]] = {name: [] for name in samplers}
+        for _ in range(int(msg.get("rounds", 1))):
+            for name, sampler in samplers.items():
+                for _ in range(int(msg.get("reps", 1))):
+                    samples[name].append(sampler())
+        launches = {name: getattr(s, "launches", 1) for name, s in samplers.items()}
+        return {"status": "ok", "samples": samples, "launches": launches}
+
+
+def main(conn, backend: str, log_path: str) -> None:
+    _redirect_output(log_path)
+    if backend == "interpreter":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton  # noqa: F401 - import now so start-up cost is paid before the first timeout
+
+    if backend == "cuda":
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # create the context now, not inside the first candidate
+    session = Session(backend)
+    conn.send({"status": "ready", "pid": os.getpid()})
+    handlers = {"setup": session.setup, "validate": session.validate, "time": session.time}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent went away
+            break
+        if msg["cmd"] == "exit":
+            break
+        try:
+            reply = handlers[msg["cmd"]](msg)
+        except Exception as exc:  # noqa: BLE001 - forge's own failure: report it with the traceback
+            if _is_cuda_error(exc):
+                reply = {"status": "cuda-error", "reason": _short(exc), "poisoned": True}
+            else:
+                reply = {"status": "internal", "reason": traceback.format_exc()}
+        conn.send(reply)
+        if reply.get("poisoned"):
+            sys.stdout.flush()
+            os._exit(70)  # a CUDA error poisons this context: the parent replaces us
