@@ -87,13 +87,13 @@ def main() -> int:
             "eager_p50_us": eager_us, "eager_quantiles": rep["baseline"],
             "speedup": rep["speedup"], "bytes_moved": nbytes,
             "pct_copy_bw": (nbytes / (best_us * 1e-6) / 1e12 / bw * 100) if best_us else None,
-            "search_wall_s": round(wall, 1), "candidates": statuses,
+            "search_wall_s": round(wall, 1), "phases": rep.get("phases"), "candidates": statuses,
         }
         rows.append(row)
         runs.append({"case": case, "command": "forge " + " ".join(cmd[3:]), "exit_code": 0, "report": rep})
         print(json.dumps(row), flush=True)
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "gpu": env.get("gpu"), "driver": env.get("driver"), "cuda": env.get("cuda"),
         "torch": torch.__version__, "triton": env.get("triton"), "forge": env.get("forge"),
         "copy_bandwidth_tbps": round(bw, 3),

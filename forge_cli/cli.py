@@ -7,6 +7,7 @@ for scripts (one JSON document on stdout, nothing else there).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -32,8 +33,10 @@ app = typer.Typer(
 cache_app = typer.Typer(help="Inspect and edit the kernel cache. " + EXIT_CODES_HELP, no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
+# Piped output (CI logs, `| less`) gets a wide fixed width instead of Rich's 80-column default,
+# which folds the candidate table into unreadable cells.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 
 CacheOpt = Annotated[Path | None, typer.Option("--cache", help="Cache DB [default: $FORGE_CACHE_DIR/forge.db "
                                                                "or ~/.cache/forge/forge.db].")]

@@ -100,6 +100,7 @@ class SearchReport:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     source: str | None = None
     cache_path: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # wall seconds per search phase
 
     @property
     def backend(self) -> str:
@@ -127,6 +128,7 @@ class SearchReport:
             "speedup": self.speedup,
             "candidates": self.candidates,
             "cache": self.cache_path,
+            "phases": {k: round(v, 3) for k, v in self.phases.items()},
         }
 
 
@@ -221,7 +223,17 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     size = opts.workers or default_size(backend)
 
     emit("start", budget=opts.budget, backend=backend, workers=size)
+    phases: dict[str, float] = dict.fromkeys(("startup", "render", "validate", "time", "final"), 0.0)
+    mark = time.monotonic()
+
+    def lap(phase: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        phases[phase] += now - mark
+        mark = now
+
     pool = Pool(backend, size, log_dir, setup).start()
+    lap("startup")
     try:
         while len(results) < opts.budget:
             batch = strat.propose(space, results, opts.budget - len(results))
@@ -233,6 +245,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 res = CandidateResult(cand, sha256=source_sha256(source))
                 res.path = str(write_source(source, src_dir))
                 results[cand] = res
+            lap("render")
 
             # Phase 1: compile + validate, in parallel on all workers.
             def on_validated(cand: Candidate, reply: dict) -> None:
@@ -242,6 +255,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
 
             pool.map([(c, {"cmd": "validate", "path": results[c].path}) for c in batch], opts.timeout,
                      on_validated)
+            lap("validate")
 
             # Phase 2: time the valid ones one at a time on one worker (the others are idle).
             if baseline is None:
@@ -263,8 +277,10 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 else:  # it validated but failed while being timed (e.g. graph capture, timeout)
                     r.status, r.reason = reply["status"], reply.get("reason")
                 emit("timed", result=r)
+            lap("time")
 
         decision, winner, source, baseline = _decide(pool, results, baseline, sampling, opts, emit)
+        lap("final")
     finally:
         pool.close()
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -273,7 +289,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     summary = [r.to_dict(baseline) for r in sorted(results.values(), key=_rank)]
     report = SearchReport(op=op.name, spec=spec, env=env, key=key, decision=decision, cache_hit=False,
                           seconds=seconds, baseline=baseline, candidates=summary, source=source,
-                          cache_path=str(cache.path))
+                          cache_path=str(cache.path), phases=phases)
     if winner is not None:
         report.winner = {"variant": winner.candidate.variant, "params": winner.candidate.p,
                          "quantiles": winner.final.to_dict()}

@@ -46,6 +46,8 @@ def _is_compile_error(exc: BaseException) -> bool:
 
 
 def _short(exc: BaseException, limit: int = 600) -> str:
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} (rendered source line {exc.lineno})"
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -22,7 +22,7 @@ def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | Non
 
 
 def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
-    gen = opkit.generator(seed)
+    gen = opkit.generator(seed, spec.device)
     x, w = spec.inputs
     # The weight is drawn around 1 but not equal to it, so a kernel that ignores w fails validation.
     return (opkit.random_tensor(x.shape, x.dtype, x.device, gen, distribution),

@@ -24,7 +24,7 @@ def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | Non
 
 def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
     x = spec.inputs[0]
-    return (opkit.random_tensor(x.shape, x.dtype, x.device, opkit.generator(seed), distribution),)
+    return (opkit.random_tensor(x.shape, x.dtype, x.device, opkit.generator(seed, x.device), distribution),)
 
 
 def reference(inputs, attrs):

@@ -1,0 +1,42 @@
+"""Test set-up. On a machine without CUDA, in-process kernels run through the Triton interpreter,
+which must be switched on before triton is first imported (hence here, at conftest import)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULT_OPS = Path(__file__).resolve().parent / "fault_ops"
+# The device kernels run on in in-process tests: the GPU where there is one, else the interpreter.
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path, monkeypatch):
+    """Every test gets its own cache dir and lock dir: no test touches ~/.cache or another's lock."""
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FORGE_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.delenv("FORGE_OPS_PATH", raising=False)
+
+
+@pytest.fixture
+def fault_ops(monkeypatch):
+    monkeypatch.setenv("FORGE_OPS_PATH", str(FAULT_OPS))
+    return FAULT_OPS
