@@ -1,0 +1,35 @@
+# forge — the two entry points. Each creates .venv if missing and installs what it needs.
+#   make demo   a real search on the default device (CUDA if present, else the Triton interpreter)
+#   make test   ruff + the CPU test suite (GPU tests are skipped without CUDA)
+
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+# The CPU build of torch 2.13.0 installs from local disk on our CPU machines; on a CUDA machine
+# pass a CUDA build, e.g. `make demo TORCH='torch==2.11.*'`.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.forge-installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q '$(TORCH)'
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(STAMP)
+	@if $(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then \
+	  $(VENV)/bin/forge search rmsnorm --shape 2048x4096 --dtype float16 --budget 50; \
+	else \
+	  echo "no CUDA GPU: searching with the Triton interpreter on the CPU at a small shape"; \
+	  $(VENV)/bin/forge search rmsnorm --shape 64x1000 --dtype float16 --budget 12 --device cpu; \
+	fi
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,266 @@
+"""Every template variant of every built-in op, rendered, loaded and run in-process against the float64
+oracle (through the same correctness gate the search uses), on shapes chosen to exercise masking:
+odd and non-power-of-two rows, a single column, a very long row, leading dimensions that flatten,
+and parameters that leave a partial last block (looped) or a partial last group of rows (multirow).
+
+Without CUDA the kernels run in the Triton interpreter (tests/conftest.py), so row counts stay tiny.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from forge.loader import load_module, write_source
+from forge.spec import DTYPES
+from forge_cli import codegen, ops
+from forge_cli.opkit import ROW_VARIANTS, Candidate, next_pow2, rows_cols
+from forge_cli.validate import check_candidate
+from tests.conftest import DEVICE
+
+SEED = 20_240
+
+
+def _builtin_op_names() -> list[str]:
+    """The ops shipped with forge (FORGE_OPS_PATH, e.g. the deliberately broken test ops, left out)."""
+    saved = os.environ.pop("FORGE_OPS_PATH", None)
+    try:
+        return sorted(ops.available())
+    finally:
+        if saved is not None:
+            os.environ["FORGE_OPS_PATH"] = saved
+
+
+OP_NAMES = _builtin_op_names()
+LONG_ROW = (2, 65536)
+SHAPES = [(1, 1), (1, 7), (3, 7), (5, 300), (1, 4096), (7, 1), (2, 3, 33), LONG_ROW]
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _m_n(shape: tuple[int, ...]) -> tuple[int, int]:
+    m = 1
+    for s in shape[:-1]:
+        m *= s
+    return m, shape[-1]
+
+
+def looped_block(n: int) -> int:
+    """A power-of-two column block below N that leaves a partial last block whenever N is not a power
+    of two (7 -> 4, 33 -> 32, 300 -> 128), capped at 4096 for very long rows."""
+    block = max(1, next_pow2(n) // 2)
+    if n > 64:
+        block = next_pow2(n) // 4
+    return min(block, 4096)
+
+
+def multirow_rows(m: int) -> int:
+    """The smallest power of two >= 4 that does not divide M, so the last program has masked rows."""
+    rows = 4
+    while m % rows == 0:
+        rows *= 2
+    return rows
+
+
+def row_candidates(variant: str, shape: tuple[int, ...]) -> list[Candidate]:
+    m, n = _m_n(shape)
+    if variant == "row":
+        return [Candidate.make("row", num_warps=1), Candidate.make("row", num_warps=4)]
+    if variant == "looped":
+        return [Candidate.make("looped", BLOCK_N=looped_block(n), num_warps=4, num_stages=1)]
+    assert variant == "multirow"
+    return [Candidate.make("multirow", ROWS=multirow_rows(m), num_warps=4)]
+
+
+def candidates_for(op_name: str, shape: tuple[int, ...]) -> list[Candidate]:
+    """Hand-picked masking candidates for the row variants; for any other variant a new op brings,
+    both ends of that variant's valid grid at this shape (so a new op is covered without editing this)."""
+    op = ops.get(op_name)
+    out: list[Candidate] = []
+    for variant in op.module.TEMPLATES:
+        if variant in ROW_VARIANTS:
+            out.extend(row_candidates(variant, shape))
+        else:
+            spec = op.module.make_spec(shape, "float32", DEVICE)
+            pts = op.module.space(spec).points(variant)
+            out.extend(dict.fromkeys([pts[0], pts[-1]]) if pts else [])
+    return out
+
+
+def _cases():
+    cases = []
+    for op_name in OP_NAMES:
+        for shape in SHAPES:
+            for i, cand in enumerate(candidates_for(op_name, shape)):
+                # The very long row is slow in the interpreter: one dtype per candidate, rotating.
+                dtypes = [DTYPES[i % len(DTYPES)]] if shape == LONG_ROW else list(DTYPES)
+                for dtype in dtypes:
+                    sid = "x".join(map(str, shape))
+                    cases.append(pytest.param(op_name, shape, dtype, cand,
+                                              id=f"{op_name}-{cand.label}-{sid}-{dtype}"))
+    return cases
+
+
+CASES = _cases()
+
+
+def _load(op, spec, cand, tmp_path, mutate=None):
+    src = codegen.render(op, spec, cand)
+    if mutate is not None:
+        src = mutate(src)
+    return load_module(write_source(src, tmp_path))
+
+
+@pytest.mark.parametrize(("op_name", "shape", "dtype", "cand"), CASES)
+def test_variant_matches_oracle(op_name, shape, dtype, cand, tmp_path):
+    op = ops.get(op_name)
+    spec = op.module.make_spec(shape, dtype, DEVICE)
+    module = _load(op, spec, cand, tmp_path)
+    reason = check_candidate(op.module, module, spec, SEED, _sync)
+    assert reason is None, f"{cand.label} on {shape} {dtype}: {reason}"
+
+
+def test_every_variant_of_every_op_is_run():
+    assert {"rmsnorm", "softmax"} <= set(OP_NAMES)
+    for op_name in OP_NAMES:
+        covered = {c.values[3].variant for c in CASES if c.values[0] == op_name}
+        assert covered == set(ops.get(op_name).module.TEMPLATES), op_name
+        # all three dtypes are run on the small shapes
+        small = {(c.values[2], c.values[3].variant) for c in CASES if c.values[0] == op_name and c.values[1] == (3, 7)}
+        assert {d for d, _ in small} == set(DTYPES)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_chosen_candidates_exercise_masking(shape):
+    """Guards the choices above: a partial last column block and a partial last group of rows."""
+    m, n = _m_n(shape)
+    block = looped_block(n)
+    assert block & (block - 1) == 0  # tl.arange needs a power of two
+    if n > 1:
+        assert block < n
+    if n & (n - 1):  # N not a power of two: the last block is partial
+        assert n % block != 0
+    rows = multirow_rows(m)
+    assert m % rows != 0
+    assert rows & (rows - 1) == 0
+
+
+def test_helpers_agree_with_opkit():
+    assert rows_cols(ops.get("rmsnorm").module.make_spec((2, 3, 33), "float32", "cpu")) == (6, 33)
+    assert [looped_block(n) for n in (1, 7, 33, 300, 4096, 65536)] == [1, 4, 32, 128, 1024, 4096]
+    assert [multirow_rows(m) for m in (1, 3, 4, 5, 6, 8, 16)] == [4, 4, 8, 4, 4, 16, 32]
+
+
+# --- the validator is not vacuous -----------------------------------------------------------------
+
+
+def _replace_once(old: str, new: str):
+    def mutate(src: str) -> str:
+        assert src.count(old) == 1, f"expected exactly one {old!r} in the rendered source"
+        return src.replace(old, new)
+    return mutate
+
+
+@pytest.mark.parametrize("variant", ["row", "looped", "multirow"])
+def test_validator_rejects_kernel_that_ignores_the_weight(variant, tmp_path):
+    op = ops.get("rmsnorm")
+    spec = op.module.make_spec((3, 300), "float32", DEVICE)
+    cand = row_candidates(variant, (3, 300))[0]
+    old = "x * rstd[:, None] * w[None, :]" if variant == "multirow" else "x * rstd * w"
+    new = "x * rstd[:, None]" if variant == "multirow" else "x * rstd"
+    module = _load(op, spec, cand, tmp_path, _replace_once(old, new))
+    reason = check_candidate(op.module, module, spec, SEED, _sync)
+    assert reason is not None
+    assert reason.startswith("normal inputs: relative error"), reason
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_validator_rejects_wrong_mean_divisor(dtype, tmp_path):
+    """/ (N + 1) changes rstd by sqrt(301/300) ~ 0.17%: beyond both fp32's and fp16's tolerance."""
+    op = ops.get("rmsnorm")
+    spec = op.module.make_spec((3, 300), dtype, DEVICE)
+    module = _load(op, spec, Candidate.make("row", num_warps=4), tmp_path, _replace_once("/ N", "/ (N + 1)"))
+    reason = check_candidate(op.module, module, spec, SEED, _sync)
+    assert reason is not None
+    assert reason.startswith("normal inputs: "), reason
+    assert "relative error" in reason or "elements outside" in reason, reason
+
+
+def test_validator_catches_unwritten_elements(tmp_path):
+    """A store mask that skips the last column leaves the NaN poison there: the reason says where."""
+    op = ops.get("rmsnorm")
+    m, n = 3, 7
+    spec = op.module.make_spec((m, n), "float32", DEVICE)
+
+    def mutate(src: str) -> str:
+        lines = src.splitlines(keepends=True)
+        store = [i for i, line in enumerate(lines) if "tl.store(" in line]
+        assert len(store) == 1 and "mask=mask)" in lines[store[0]]
+        lines[store[0]] = lines[store[0]].replace("mask=mask)", "mask=cols < N - 1)")
+        return "".join(lines)
+
+    module = _load(op, spec, Candidate.make("row", num_warps=1), tmp_path, mutate)
+    reason = check_candidate(op.module, module, spec, SEED, _sync)
+    assert reason == f"normal inputs: NaN in output ({m} of {m * n} elements, first at (0, {n - 1}))"
+
+
+def test_unmutated_source_passes_the_same_check(tmp_path):
+    """The control for the negative tests above: the same spec and candidate, unmutated, pass."""
+    op = ops.get("rmsnorm")
+    spec = op.module.make_spec((3, 300), "float32", DEVICE)
+    module = _load(op, spec, Candidate.make("row", num_warps=4), tmp_path)
+    assert check_candidate(op.module, module, spec, SEED, _sync) is None
+
+
+# --- defaults and spaces ----------------------------------------------------------------------------
+
+DEFAULT_NS = [1, 2, 7, 33, 100, 1000, 4096, 8191, 16384, 16385, 32768, 65536, 70000]
+
+
+@pytest.mark.parametrize("op_name", OP_NAMES)
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_default_is_in_space(op_name, device):
+    mod = ops.get(op_name).module
+    checked = 0
+    for n in DEFAULT_NS:
+        for lead in [(1,), (3,), (4096,), (2, 5)]:
+            for dtype in DTYPES:
+                spec = mod.make_spec((*lead, n), dtype, device)
+                default = mod.default(spec)
+                assert default in mod.space(spec), (spec.shape, dtype, device, default.label)
+                assert default.variant in mod.TEMPLATES
+                checked += 1
+    assert checked == len(DEFAULT_NS) * 4 * len(DTYPES)
+
+
+@pytest.mark.parametrize("op_name", OP_NAMES)
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_every_point_of_a_mid_space_renders(op_name, device):
+    op = ops.get(op_name)
+    spec = op.module.make_spec((64, 1000), "float16", device)
+    points = list(op.module.space(spec).all_points())
+    assert {c.variant for c in points} == set(op.module.TEMPLATES)
+    sources = set()
+    for cand in points:
+        src = codegen.render(op, spec, cand)
+        compile(src, f"<{cand.label}>", "exec")  # valid Python
+        assert f"forge_{op_name}_{cand.variant}" in src
+        for key, value in cand.params:
+            assert re.search(rf"\b{key}={value}\b", src), (cand.label, key)
+        if cand.variant != "looped":
+            assert "BLOCK_N=1024" in src  # whole row: next_pow2(1000)
+        sources.add(src)
+    assert len(sources) == len(points)  # every point renders to a distinct kernel
+
+
+def test_render_rejects_unknown_variant():
+    op = ops.get("rmsnorm")
+    spec = op.module.make_spec((4, 8), "float32", "cpu")
+    with pytest.raises(ValueError, match="no variant 'tiled'"):
+        codegen.render(op, spec, Candidate.make("tiled", num_warps=4))
