@@ -91,7 +91,8 @@ def test_rm_key_op_all(db):
     assert "removed 1 entry" in res.stdout and db.entries() == []
 
 
-@pytest.mark.parametrize("args", [["cache", "rm"], ["cache", "rm", "abcd", "--all"], ["cache", "rm", "--op", "x", "--all"]])
+@pytest.mark.parametrize("args", [["cache", "rm"], ["cache", "rm", "abcd", "--all"],
+                                  ["cache", "rm", "--op", "x", "--all"]])
 def test_rm_needs_exactly_one_selector(db, args):
     res = runner.invoke(cli.app, args)
     assert res.exit_code == 2 and "exactly one" in res.output

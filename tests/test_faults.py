@@ -42,10 +42,10 @@ def test_search_survives_every_fault_and_records_reasons(tmp_path, fault_ops):
 
 def test_worker_pool_replaces_dead_workers(tmp_path, fault_ops):
     """After crashes and a timeout the pool still answers with healthy workers."""
+    from forge.loader import write_source
     from forge_cli import codegen, ops
     from forge_cli.opkit import Candidate
     from forge_cli.pool import Pool
-    from forge.loader import write_source
 
     op = ops.get("faulty")
     spec = op.module.make_spec((2, 8), "float32", "cpu")
