@@ -118,11 +118,10 @@ def cache_key(spec: KernelSpec, env: dict[str, Any]) -> str:
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """'2048x4096' -> (2048, 4096). Raises ValueError with a message fit for a user."""
-    parts = text.lower().replace("×", "x").split("x")
-    try:
-        shape = tuple(int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"malformed shape {text!r}: expected integers joined by 'x', e.g. 2048x4096") from None
+    parts = text.strip().lower().replace("×", "x").split("x")
+    if not all(p.isdigit() and p.isascii() for p in parts):
+        raise ValueError(f"malformed shape {text!r}: expected integers joined by 'x', e.g. 2048x4096")
+    shape = tuple(int(p) for p in parts)
     if any(s < 1 for s in shape):
         raise ValueError(f"malformed shape {text!r}: every dimension must be >= 1")
     return shape

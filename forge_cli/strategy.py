@@ -46,12 +46,18 @@ class Grid:
             out.append(self.first)
         remaining = n - len(out)
         shares = dict.fromkeys(per_variant, 0)
+        # `first` already spends one of its variant's slots, so that variant gets one fewer below.
+        spent = dict.fromkeys(per_variant, 0)
+        if out:
+            spent[out[0].variant] = 1
         active = [v for v, pts in per_variant.items() if pts]
         while remaining > 0 and active:
             for v in list(active):
                 if remaining == 0:
                     break
-                if shares[v] < len(per_variant[v]):
+                if spent[v]:
+                    spent[v] -= 1
+                elif shares[v] < len(per_variant[v]):
                     shares[v] += 1
                     remaining -= 1
                 else:

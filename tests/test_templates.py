@@ -35,8 +35,9 @@ def _builtin_op_names() -> list[str]:
 
 
 OP_NAMES = _builtin_op_names()
-LONG_ROW = (2, 65536)
-SHAPES = [(1, 1), (1, 7), (3, 7), (5, 300), (1, 4096), (7, 1), (2, 3, 33), LONG_ROW]
+# Very long rows: a power of two (every block full) and one past it (a last block of one element).
+LONG_ROWS = [(2, 65536), (1, 65537)]
+SHAPES = [(1, 1), (1, 7), (3, 7), (5, 300), (1, 4096), (7, 1), (2, 3, 33), *LONG_ROWS]
 
 
 def _sync() -> None:
@@ -73,7 +74,13 @@ def row_candidates(variant: str, shape: tuple[int, ...]) -> list[Candidate]:
     if variant == "row":
         return [Candidate.make("row", num_warps=1), Candidate.make("row", num_warps=4)]
     if variant == "looped":
-        return [Candidate.make("looped", BLOCK_N=looped_block(n), num_warps=4, num_stages=1)]
+        stages = 2 if DEVICE == "cuda" else 1  # the interpreter has no pipelining
+        out = [Candidate.make("looped", BLOCK_N=looped_block(n), num_warps=4, num_stages=stages)]
+        if n <= 300:
+            # Outside space() (there a block is always narrower than the row), but the templates
+            # handle it: lanes that only ever see masked columns (softmax's `seen` guard).
+            out.append(Candidate.make("looped", BLOCK_N=2 * next_pow2(n), num_warps=1, num_stages=1))
+        return out
     assert variant == "multirow"
     return [Candidate.make("multirow", ROWS=multirow_rows(m), num_warps=4)]
 
@@ -97,10 +104,8 @@ def _cases():
     cases = []
     for op_name in OP_NAMES:
         for shape in SHAPES:
-            for i, cand in enumerate(candidates_for(op_name, shape)):
-                # The very long row is slow in the interpreter: one dtype per candidate, rotating.
-                dtypes = [DTYPES[i % len(DTYPES)]] if shape == LONG_ROW else list(DTYPES)
-                for dtype in dtypes:
+            for cand in candidates_for(op_name, shape):
+                for dtype in DTYPES:
                     sid = "x".join(map(str, shape))
                     cases.append(pytest.param(op_name, shape, dtype, cand,
                                               id=f"{op_name}-{cand.label}-{sid}-{dtype}"))
@@ -117,6 +122,9 @@ def _load(op, spec, cand, tmp_path, mutate=None):
     return load_module(write_source(src, tmp_path))
 
 
+# The interpreter evaluates both sides of tl.where, e.g. -inf - -inf in a masked softmax lane; the
+# guarded result is what is checked (NaN never passes the validator).
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize(("op_name", "shape", "dtype", "cand"), CASES)
 def test_variant_matches_oracle(op_name, shape, dtype, cand, tmp_path):
     op = ops.get(op_name)
@@ -153,7 +161,7 @@ def test_chosen_candidates_exercise_masking(shape):
 
 def test_helpers_agree_with_opkit():
     assert rows_cols(ops.get("rmsnorm").module.make_spec((2, 3, 33), "float32", "cpu")) == (6, 33)
-    assert [looped_block(n) for n in (1, 7, 33, 300, 4096, 65536)] == [1, 4, 32, 128, 1024, 4096]
+    assert [looped_block(n) for n in (1, 7, 33, 300, 4096, 65536, 65537)] == [1, 4, 32, 128, 1024, 4096, 4096]
     assert [multirow_rows(m) for m in (1, 3, 4, 5, 6, 8, 16)] == [4, 4, 8, 4, 4, 16, 32]
 
 
