@@ -9,7 +9,7 @@ PY    := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.forge-installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-triton36 lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,5 +31,17 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+# The GPU machine runs triton 3.6; CI's main venv gets the newest triton. This runs the interpreter
+# tests (every template, end-to-end searches, fault injection) once more on triton 3.6.
+T36 := .venv-triton36
+$(T36)/.forge-installed: pyproject.toml
+	test -x $(T36)/bin/python || python3 -m venv $(T36)
+	$(T36)/bin/python -m pip install -q '$(TORCH)' 'triton==3.6.0'
+	$(T36)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
+test-triton36: $(T36)/.forge-installed
+	$(T36)/bin/python -m pytest -q tests/test_templates.py tests/test_search_e2e.py tests/test_faults.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(T36) .pytest_cache .ruff_cache *.egg-info

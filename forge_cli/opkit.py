@@ -213,6 +213,11 @@ def row_render_context(spec, cand: Candidate, op: str) -> dict[str, Any]:
     ctx.setdefault("num_stages", 1)
     if cand.variant != "looped":
         ctx["BLOCK_N"] = next_pow2(n)
+    # Triton <= 3.6's interpreter converts a runtime loop bound with int(1-element array), which
+    # numpy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python scalars"), so
+    # `range(0, N, BLOCK_N)` fails there. On the interpreter N is passed as a constexpr (a Python
+    # int) instead; CUDA sources are unaffected (byte-identical to the ones measured on the H200).
+    ctx["N_CONSTEXPR"] = spec.device != "cuda"
     ctx["kernel_name"] = f"forge_{op}_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx
