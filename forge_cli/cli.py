@@ -122,8 +122,9 @@ def _print_report(report: engine.SearchReport, top: int) -> None:
         out.print("[bold yellow]Triton interpreter on the CPU: timings are host-clock interpreter timings, "
                   "not GPU performance.[/]")
     if report.cache_hit:
-        out.print(f"[bold]cache hit[/] — stored decision for {report.op} {report.spec.shape_str} "
-                  f"{report.spec.dtype} (search took {_stored_seconds(report)}); no work done.")
+        out.print(f"[bold]cache hit[/] — decision stored {_age(report.stored['created_at'])} ago for "
+                  f"{report.op} {report.spec.shape_str} {report.spec.dtype} (that search took "
+                  f"{report.stored['search_seconds']:.1f} s); no work done.")
     out.print(_candidates_table(report, top))
     sp = report.speedup
     if report.decision == "kernel":
@@ -139,10 +140,6 @@ def _print_report(report: engine.SearchReport, top: int) -> None:
     out.print(f"cache key: {report.key}  ({report.cache_path})")
     if not report.cache_hit:
         out.print(f"search wall time: {report.seconds:.1f} s")
-
-
-def _stored_seconds(report: engine.SearchReport) -> str:
-    return f"{report.seconds:.2f} s to look up"
 
 
 class _ProgressEvents:

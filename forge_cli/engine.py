@@ -101,6 +101,7 @@ class SearchReport:
     source: str | None = None
     cache_path: str | None = None
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds per search phase
+    stored: dict[str, float] | None = None  # on a cache hit: the original search's time and date
 
     @property
     def backend(self) -> str:
@@ -129,6 +130,7 @@ class SearchReport:
             "candidates": self.candidates,
             "cache": self.cache_path,
             "phases": {k: round(v, 3) for k, v in self.phases.items()},
+            "stored": self.stored,
         }
 
 
@@ -140,7 +142,8 @@ def _report_from_entry(entry: Entry, spec: KernelSpec, cache: Cache, seconds: fl
         op=entry.op, spec=spec, env=entry.env, key=entry.key, decision=entry.decision, cache_hit=True,
         seconds=seconds, winner=winner,
         baseline=stats.Quantiles.from_dict(entry.baseline) if entry.baseline else None,
-        candidates=entry.candidates, source=entry.source, cache_path=str(cache.path))
+        candidates=entry.candidates, source=entry.source, cache_path=str(cache.path),
+        stored={"search_seconds": entry.search_seconds, "created_at": entry.created_at})
 
 
 def resolve_backend(device: str | None) -> str:
