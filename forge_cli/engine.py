@@ -40,8 +40,8 @@ class Sampling:
 
 
 SAMPLING = {
-    # 30 screening samples put p50 within ~1% run to run for kernels >= 5 µs; 40 interleaved rounds
-    # give the finalists' p20/p80 for the decision (see docs/notes.md).
+    # With 30 screening samples and 40 interleaved rounds, the winners' p20-p80 spread on the H200 was
+    # under 1.5% (10-134 µs kernels, bench/results/h200-search-2026-12-02.json), well inside the 3% margin.
     "cuda": Sampling(screen_reps=30, final_rounds=40, settle_ms=300.0),
     # The interpreter is ~1e4x slower than a GPU; a few samples are enough to rank on one CPU.
     "interpreter": Sampling(screen_reps=3, final_rounds=5, settle_ms=0.0),

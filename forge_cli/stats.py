@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # A candidate must beat eager by a clear margin, not by noise: its slow end (p80) must be below
-# eager's fast end (p20) divided by this. 3% is larger than the run-to-run spread we measure for
-# kernels above ~5 µs with graph replay (docs/notes.md), so a "win" survives a re-run.
+# eager's fast end (p20) divided by this. The p20-p80 spread of the winners measured on the H200 was
+# under 1.5% (docs/notes.md), so a 3% margin is not decided by noise.
 ACCEPT_MARGIN = 1.03
 
 
