@@ -163,9 +163,11 @@ class Pool:
         return {"status": "crashed", "reason": reason}
 
     def map(self, tasks: Iterable[tuple[Any, dict]], timeout: float,
-            on_result: Callable[[Any, dict], None] | None = None) -> dict[Any, dict]:
-        """Run (tag, request) pairs on all workers in parallel; returns tag -> reply. Replies for
-        failures forge detects from outside: timeout, crashed (and cuda-error from inside)."""
+            on_result: Callable[[Any, dict], None] | None = None, lanes: int | None = None) -> dict[Any, dict]:
+        """Run (tag, request) pairs on the first `lanes` workers (default: all) in parallel; returns
+        tag -> reply. Replies for failures forge detects from outside: timeout, crashed (and
+        cuda-error from inside)."""
+        lanes = len(self.workers) if lanes is None else lanes
         queue = deque(tasks)
         results: dict[Any, dict] = {}
 
@@ -175,7 +177,7 @@ class Pool:
                 on_result(tag, reply)
 
         while queue or any(w.task is not None for w in self.workers):
-            for w in self.workers:
+            for w in self.workers[:lanes]:
                 if w.task is None and queue:
                     tag, req = queue.popleft()
                     try:
@@ -217,14 +219,8 @@ class Pool:
         return results
 
     def call(self, request: dict, timeout: float) -> dict:
-        """One request on the first worker (the timing lane)."""
-        saved = self.workers
-        self.workers = saved[:1]
-        try:
-            return self.map([("call", request)], timeout)["call"]
-        finally:
-            saved[0] = self.workers[0]
-            self.workers = saved
+        """One request on the first worker (the timing lane; the others stay idle meanwhile)."""
+        return self.map([("call", request)], timeout, lanes=1)["call"]
 
 
 def default_size(backend: str) -> int:
