@@ -1,6 +1,6 @@
 """Building blocks shared by the op families in kernels/ (search-space types, input distributions,
-tolerances). Imports torch lazily-free: op modules need torch anyway, the CLI's parent process
-does not import this module's torch-using functions until a worker runs them.
+tolerances). torch is imported inside the functions that need it, so the parent process can build
+search spaces and render candidates without paying for torch tensors.
 """
 
 from __future__ import annotations
