@@ -1,10 +1,14 @@
-"""forge runtime package. Import-light: loads no Typer, Rich or Jinja2.
+"""forge runtime package. Import-light: loads no Typer, Rich or Jinja2 (those come only with a
+search, which imports forge_cli on a cache miss).
 
-The decorator/loader shim (`forge.optimize`, `forge.load`, `forge.explain`) is tracked in issue 3;
-this package currently holds the pieces the shim and the CLI share: specs, the environment
-fingerprint and the cache.
+    import forge, torch
+
+    @forge.optimize(budget=50)
+    def rmsnorm(x, weight, eps=1e-6):
+        return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps) * weight
 """
 
 from forge._version import __version__
+from forge.shim import Explanation, explain, load, optimize
 
-__all__ = ["__version__"]
+__all__ = ["Explanation", "__version__", "explain", "load", "optimize"]

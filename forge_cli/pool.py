@@ -1,5 +1,11 @@
 """Worker pool in the parent: spawned subprocesses, per-request timeouts, kill-and-replace.
 
+Workers are fresh interpreters started with `python -m forge_cli.worker` (never forked from a parent
+that may hold a CUDA context) and talk to the parent over a socketpair wrapped in a
+multiprocessing Connection. Not multiprocessing's spawn method: that re-imports the parent's
+`__main__`, so a user script calling a `@forge.optimize` function at top level (no `__main__` guard)
+was re-run inside every worker and the workers died on start (seen with a script piped to python).
+
 The parent never dies because of a candidate: a worker that times out is killed, one that dies
 (segfault, os._exit) is noticed through its closed pipe, one that reports a CUDA error exits; in every
 case the failure is recorded against the candidate and a fresh worker takes its place. Healthy workers
@@ -8,14 +14,15 @@ are reused so Python/torch start-up (~2 s on CPU) is not paid per candidate.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Pipe, wait
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +56,33 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+_ROOT = Path(__file__).resolve().parent.parent  # the directory holding forge/ and forge_cli/
+
+
+class _Proc:
+    """subprocess.Popen with the few multiprocessing.Process methods the pool uses."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+
 @dataclass
 class Worker:
     index: int
@@ -68,23 +102,27 @@ class Pool:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.setup_msg = setup
-        self.ctx = mp.get_context("spawn")
         self.workers: list[Worker] = []
         self._serial = 0
         self.replaced = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _spawn(self) -> Worker:
-        from forge_cli import worker as worker_mod
-
         self._serial += 1
         log = self.log_dir / f"worker-{self._serial}.log"
-        parent_conn, child_conn = self.ctx.Pipe()
-        proc = self.ctx.Process(target=worker_mod.main, args=(child_conn, self.backend, str(log)),
-                                daemon=True, name=f"forge-worker-{self._serial}")
-        proc.start()
+        parent_conn, child_conn = Pipe()
+        fd = child_conn.fileno()
+        env = dict(os.environ)
+        # The worker imports forge from wherever this process did (installed, or a source tree).
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+        # The worker's stdout/stderr (incl. C-level output: a segfault message, Triton's compiler)
+        # go to a log file the parent reads when the worker dies.
+        with open(log, "ab") as logf:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "forge_cli.worker", str(fd), self.backend],
+                pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env)
         child_conn.close()
-        return Worker(self._serial, proc, parent_conn, log)
+        return Worker(self._serial, _Proc(popen), parent_conn, log)
 
     def _await_ready(self, workers: list[Worker]) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -1,7 +1,8 @@
 """The worker process: compiles, validates and times candidates sent by the parent.
 
-Started with multiprocessing's *spawn* method (never forked from a parent that may hold a CUDA
-context). Protocol: the parent sends dicts over a Pipe, the worker answers one dict per request.
+Started as `python -m forge_cli.worker FD BACKEND` by forge_cli/pool.py (a fresh interpreter, never
+forked from a parent that may hold a CUDA context). Protocol: the parent sends dicts over a
+Connection on inherited fd FD, the worker answers one dict per request.
 Everything a candidate does wrong comes back as a value: {"status": ..., "reason": ...}. A CUDA error
 poisons the context, so after reporting one the worker exits and the parent starts a fresh one.
 
@@ -17,17 +18,6 @@ from typing import Any
 
 CUDA_ERROR_MARKERS = ("CUDA error", "cudaError", "CUDA_ERROR", "illegal memory access",
                       "unspecified launch failure", "device-side assert")
-
-
-def _redirect_output(log_path: str) -> None:
-    """Send this process's stdout/stderr (incl. C-level writes, e.g. a segfault message or Triton's
-    compiler output) to a log file the parent reads when we die."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def _is_cuda_error(exc: BaseException) -> bool:
@@ -135,8 +125,7 @@ class Session:
         return {"status": "ok", "samples": samples, "launches": launches}
 
 
-def main(conn, backend: str, log_path: str) -> None:
-    _redirect_output(log_path)
+def main(conn, backend: str) -> None:
     if backend == "interpreter":
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -166,3 +155,9 @@ def main(conn, backend: str, log_path: str) -> None:
         if reply.get("poisoned"):
             sys.stdout.flush()
             os._exit(70)  # a CUDA error poisons this context: the parent replaces us
+
+
+if __name__ == "__main__":
+    from multiprocessing.connection import Connection
+
+    main(Connection(int(sys.argv[1])), sys.argv[2])

@@ -73,3 +73,51 @@ def flops(spec: KernelSpec) -> int:
 
 def tolerance(dtype: str) -> opkit.Tolerance:
     return opkit.ROW_TOLERANCE[dtype]
+
+
+# -- recognising rmsnorm in user code (forge/trace.py canonical forms) ----------------------------
+def match(expr) -> tuple[list, dict] | None:
+    """(input indices [x, w or None], attrs) if `expr` computes rmsnorm over the last dim.
+
+    Recognised: F.rms_norm(x, (N,), w, eps); x * rsqrt(mean(x*x or x**2, -1, keepdim) + eps) [* w]
+    in any order; x / sqrt(...) is the same tree after canonicalisation."""
+    if expr[0] == "rms_norm":
+        _, x, w, eps = expr
+        if x[0] != "input" or w[0] not in ("input", "none"):
+            return None
+        return [x[1], w[1] if w[0] == "input" else None], {"eps": float(eps)}
+    if expr[0] != "mul":
+        return None
+    factors = list(expr[1:])
+    rsqrts = [f for f in factors if f[0] == "rsqrt"]
+    if len(rsqrts) != 1 or rsqrts[0][1][0] != "add" or len(rsqrts[0][1]) != 3:
+        return None
+    terms = rsqrts[0][1][1:]
+    consts = [t for t in terms if t[0] == "const" and isinstance(t[1], int | float)]
+    means = [t for t in terms if t[0] == "mean_last"]
+    if len(consts) != 1 or len(means) != 1:
+        return None
+    square = means[0][1]
+    if square[0] != "mul" or len(square) != 3 or square[1] != square[2] or square[1][0] != "input":
+        return None
+    x = square[1]
+    rest = list(factors)
+    rest.remove(rsqrts[0])
+    if x not in rest:
+        return None
+    rest.remove(x)
+    if not rest:
+        return [x[1], None], {"eps": float(consts[0][1])}
+    if len(rest) == 1 and rest[0][0] == "input" and rest[0] != x:
+        return [x[1], rest[0][1]], {"eps": float(consts[0][1])}
+    return None
+
+
+def fill_missing(inputs: list):
+    """rmsnorm without a weight is rmsnorm with w = 1 (same kernel, exact: x * r * 1.0 == x * r)."""
+    import torch
+
+    x, w = inputs
+    if w is None:
+        w = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return (x, w)

@@ -67,3 +67,15 @@ def flops(spec: KernelSpec) -> int:
 
 def tolerance(dtype: str) -> opkit.Tolerance:
     return opkit.ROW_TOLERANCE[dtype]
+
+
+# -- recognising softmax in user code (forge/trace.py canonical forms) ----------------------------
+def match(expr) -> tuple[list, dict] | None:
+    """torch.softmax / F.softmax / x.softmax over the last dim (no dtype argument)."""
+    if expr[0] == "softmax_last" and expr[1][0] == "input":
+        return [expr[1][1]], {"dim": -1}
+    return None
+
+
+def fill_missing(inputs: list):
+    return tuple(inputs)

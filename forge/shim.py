@@ -1,0 +1,277 @@
+"""The runtime shim: `@forge.optimize`, `forge.load`, `forge.explain`.
+
+First call per signature: trace with torch.fx (forge/trace.py), match an op family, build the
+KernelSpec from the actual arguments, look the decision up in the cache (searching on a miss unless
+searching is off), and bind either the cached kernel or the eager function. Later calls with the same
+signature: one dict lookup and a launch.
+
+Never a wrong result: anything forge cannot vouch for runs the user's eager function, with the reason
+kept for `forge.explain` and a one-time warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forge.cache import Cache, CacheError, default_cache_path
+from forge.loader import load_module, source_sha256, write_source
+from forge.spec import cache_key
+
+_DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
+ALIGNMENT = 16  # bytes; kernels are validated on freshly allocated (>= 256-byte aligned) tensors
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What forge does for one call signature."""
+
+    uses: str  # "kernel" | "eager"
+    reason: str
+    op: str | None = None
+    key: str | None = None
+    variant: str | None = None
+    params: dict | None = None
+
+    def __str__(self) -> str:
+        if self.uses == "kernel":
+            return f"forge kernel {self.op}/{self.variant}({self.params}) [{self.key[:12]}]: {self.reason}"
+        return f"eager: {self.reason}"
+
+
+def _search_enabled(flag: bool) -> bool:
+    return flag and os.environ.get("FORGE_SEARCH", "1") != "0"
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """Everything a bound kernel depends on. Tensors by shape/dtype/strides/device/grad/alignment."""
+    import torch
+
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), v.dtype, v.stride(), v.device, v.requires_grad,
+                    v.data_ptr() % ALIGNMENT == 0)
+        try:
+            hash(v)
+        except TypeError:
+            return ("id", id(v))
+        return v
+
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
+class _Binding:
+    """A kernel bound to one signature: picks the op inputs from the call's tensors, launches."""
+
+    def __init__(self, opmod, module, spec, indices: list, defaults: tuple, attrs: dict):
+        self.opmod, self.module, self.spec, self.attrs = opmod, module, spec, attrs
+        # Inputs the user's code did not pass (rmsnorm's weight of ones) are made once, here.
+        self.slots = [(i, d) for i, d in zip(indices, defaults, strict=True)]
+
+    def __call__(self, tensors: list):
+        inputs = tuple(tensors[i] if i is not None else d for i, d in self.slots)
+        out = self.opmod.alloc_output(inputs, self.spec)
+        self.opmod.run(self.module, inputs, out, self.attrs)
+        return out
+
+
+class Optimized:
+    def __init__(self, fn: Callable, *, budget: int = 50, search: bool = True, warn: bool = True,
+                 interpreter: bool | None = None, cache: str | os.PathLike | None = None):
+        self.fn = fn
+        self.budget = budget
+        self.search = search
+        self.warn = warn
+        self.interpreter = (os.environ.get("FORGE_INTERPRETER") == "1") if interpreter is None else interpreter
+        self.cache_path = Path(cache) if cache else None
+        self._bound: dict[tuple, tuple[Any, Explanation]] = {}
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        functools.update_wrapper(self, fn)
+
+    # -- hot path ---------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        sig = _signature(args, kwargs)
+        hit = self._bound.get(sig)
+        if hit is None:
+            hit = self._bind(sig, args, kwargs, allow_search=True)
+        binding, _ = hit
+        if binding is None:
+            return self.fn(*args, **kwargs)
+        return binding(_tensor_args(self.fn, args, kwargs))
+
+    # -- first call of a signature -----------------------------------------------------------------
+    def explain(self, *args, **kwargs) -> Explanation:
+        sig = _signature(args, kwargs)
+        hit = self._bound.get(sig) or self._bind(sig, args, kwargs, allow_search=False, remember=False)
+        return hit[1]
+
+    def _bind(self, sig, args, kwargs, *, allow_search: bool, remember: bool = True):
+        with self._lock:  # thread-safe first call: one search per signature
+            if sig in self._bound:
+                return self._bound[sig]
+            binding, why = self._decide(args, kwargs, allow_search)
+            if binding is None and self.warn and remember and why.reason not in self._warned:
+                self._warned.add(why.reason)
+                warnings.warn(f"forge: {getattr(self.fn, '__name__', 'function')} runs eager: {why.reason}",
+                              RuntimeWarning, stacklevel=4)
+            if remember:  # also eager: a search-off miss must not re-trace on every call
+                self._bound[sig] = (binding, why)
+            return binding, why
+
+    def _decide(self, args, kwargs, allow_search: bool):
+        import torch
+
+        from forge.trace import Untraceable, canonical
+
+        def eager(reason: str, **kw) -> tuple[None, Explanation]:
+            return None, Explanation("eager", reason, **kw)
+
+        try:
+            expr, tensors = canonical(self.fn, args, kwargs)
+        except Untraceable as exc:
+            return eager(f"cannot trace: {exc}")
+        from forge_cli import ops
+
+        found = None
+        for name in sorted(ops.available()):
+            op = ops.get(name)
+            m = getattr(op.module, "match", None)
+            if m is not None and (res := m(expr)) is not None:
+                found = (op, *res)
+                break
+        if found is None:
+            return eager(f"no op family matches this computation ({_describe(expr)})")
+        op, indices, attrs = found
+        picked = [tensors[i] if i is not None else None for i in indices]
+        inputs = op.module.fill_missing(picked)
+        x = inputs[0]
+        if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+            return eager("inputs require grad (forge kernels are forward-only)", op=op.name)
+        if any(t.device != x.device for t in inputs):
+            return eager("inputs are on different devices", op=op.name)
+        if any(not t.is_contiguous() for t in inputs):
+            return eager("non-contiguous input (kernels are validated for contiguous inputs only)", op=op.name)
+        if any(t.data_ptr() % ALIGNMENT for t in inputs):
+            return eager(f"input not {ALIGNMENT}-byte aligned (kernels are validated on aligned inputs)",
+                         op=op.name)
+        dtype = _DTYPES.get(str(x.dtype))
+        if dtype is None or any(str(t.dtype) != str(x.dtype) for t in inputs):
+            return eager(f"unsupported dtype mix {[str(t.dtype) for t in inputs]}", op=op.name)
+        if x.device.type == "cuda":
+            backend = "cuda"
+        elif x.device.type == "cpu" and self.interpreter:
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                return eager("CPU tensors need TRITON_INTERPRET=1 set before triton is imported", op=op.name)
+            backend = "interpreter"
+        else:
+            return eager(f"{x.device.type} tensors without the interpreter opted in "
+                         "(forge.optimize(interpreter=True) or FORGE_INTERPRETER=1)", op=op.name)
+        try:
+            spec = op.module.make_spec(tuple(x.shape), dtype, "cuda" if backend == "cuda" else "cpu", attrs)
+        except ValueError as exc:
+            return eager(f"{op.name} does not support this call: {exc}", op=op.name)
+        actual = [(tuple(t.shape), _DTYPES[str(t.dtype)]) for t in inputs]
+        if actual != [(s.shape, s.dtype) for s in spec.inputs]:
+            return eager(f"input shapes/dtypes {actual} do not fit {op.name}'s kernel", op=op.name)
+
+        from forge.env import collect_env
+
+        env = {**collect_env(backend), "templates": op.template_hash}
+        key = cache_key(spec, env)
+        try:
+            cache = Cache(self.cache_path or default_cache_path())
+            entry = cache.get(key)
+            if entry is None and allow_search and _search_enabled(self.search):
+                from forge_cli import engine
+
+                engine.search(op.name, tuple(x.shape), dtype,
+                              device="cuda" if backend == "cuda" else "cpu", cache=cache, attrs=attrs,
+                              options=engine.SearchOptions(budget=self.budget))
+                entry = cache.get(key)
+        except CacheError as exc:
+            return eager(f"cache unusable: {exc}", op=op.name, key=key)
+        if entry is None:
+            why = ("searching is off (FORGE_SEARCH=0 or search=False)" if not _search_enabled(self.search)
+                   else "would search")
+            return eager(f"cache miss: {why}", op=op.name, key=key)
+        if entry.decision == "eager":
+            return eager("cached decision is eager (no candidate beat eager by the required margin)",
+                         op=op.name, key=key)
+        if entry.source is None or source_sha256(entry.source) != entry.source_sha256:
+            return eager("cached kernel source does not match its sha256; not loaded", op=op.name, key=key)
+        if entry.env != env:
+            diff = sorted(k for k in set(env) | set(entry.env) if env.get(k) != entry.env.get(k))
+            return eager(f"cached entry was made for another environment ({', '.join(diff)})",
+                         op=op.name, key=key)
+        module = load_module(write_source(entry.source, Path(cache.path).parent / "kernels-src"))
+        why = Explanation("kernel", f"cached {entry.speedup or 0:.2f}x faster than eager", op=op.name, key=key,
+                          variant=entry.variant, params=entry.params)
+        return _Binding(op.module, module, spec, indices, inputs, attrs), why
+
+
+def _tensor_args(fn, args, kwargs) -> list:
+    """The tensor arguments in parameter order (the order forge/trace.py indexes them)."""
+    import torch
+
+    if not kwargs:
+        return [a for a in args if isinstance(a, torch.Tensor)]
+    import inspect
+
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    return [v for v in bound.arguments.values() if isinstance(v, torch.Tensor)]
+
+
+def _describe(expr, depth: int = 3) -> str:
+    if not isinstance(expr, tuple) or not expr:
+        return repr(expr)
+    if depth == 0:
+        return "..."
+    head, *rest = expr
+    if head in ("input", "const", "opaque"):
+        return f"{head} {rest[0]!r}" if rest else head
+    return f"{head}({', '.join(_describe(r, depth - 1) for r in rest)})"
+
+
+def optimize(fn: Callable | None = None, **options):
+    """Decorator: `@forge.optimize` or `@forge.optimize(budget=50, search=True, warn=True,
+    interpreter=None, cache=None)`."""
+    if fn is None:
+        return lambda f: Optimized(f, **options)
+    return Optimized(fn, **options)
+
+
+def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=None, **attrs):
+    """A callable for an already-tuned op, without a decorator: `forge.load("rmsnorm", (2048, 4096),
+    "float16")(x, w)`. Raises LookupError (with the reason) when no kernel decision is cached."""
+    from forge.env import collect_env
+    from forge_cli import ops
+
+    fam = ops.get(op)
+    backend = "cuda" if device == "cuda" else "interpreter"
+    spec = fam.module.make_spec(tuple(shape), dtype, "cuda" if backend == "cuda" else "cpu", attrs)
+    env = {**collect_env(backend), "templates": fam.template_hash}
+    db = Cache(cache or default_cache_path())
+    entry = db.get(cache_key(spec, env))
+    if entry is None:
+        raise LookupError(f"{op} {shape} {dtype} on {backend} is not tuned in {db.path}: run `forge search`")
+    if entry.decision != "kernel":
+        raise LookupError(f"{op} {shape} {dtype}: the cached decision is eager (no kernel beat it)")
+    if entry.source is None or source_sha256(entry.source) != entry.source_sha256:
+        raise LookupError(f"{op} {shape} {dtype}: cached source does not match its sha256")
+    module = load_module(write_source(entry.source, Path(db.path).parent / "kernels-src"))
+    binding = _Binding(fam.module, module, spec, list(range(len(spec.inputs))), (None,) * len(spec.inputs),
+                       spec.attrs)
+    return lambda *tensors: binding(list(tensors))
+
+
+def explain(fn, *args, **kwargs) -> Explanation:
+    """Why forge uses a kernel or eager for this call (never searches)."""
+    target = fn if isinstance(fn, Optimized) else Optimized(fn, warn=False)
+    return target.explain(*args, **kwargs)
