@@ -1,5 +1,5 @@
-"""forge runtime package. Import-light: loads no Typer, Rich or Jinja2 (those come only with a
-search, which imports forge_cli on a cache miss).
+"""forge runtime package. Import-light: loads no Typer, Rich, Jinja2 or triton (those come only with a
+search on a cache miss, or when a cached kernel is loaded).
 
     import forge, torch
 
