@@ -204,16 +204,24 @@ class Optimized:
         if entry.decision == "eager":
             return eager("cached decision is eager (no candidate beat eager by the required margin)",
                          op=op.name, key=key)
-        if entry.source is None or source_sha256(entry.source) != entry.source_sha256:
+        if not _intact(entry):
             return eager("cached kernel source does not match its sha256; not loaded", op=op.name, key=key)
         if entry.env != env:
             diff = sorted(k for k in set(env) | set(entry.env) if env.get(k) != entry.env.get(k))
             return eager(f"cached entry was made for another environment ({', '.join(diff)})",
                          op=op.name, key=key)
-        module = load_module(write_source(entry.source, Path(cache.path).parent / "kernels-src"))
+        module = _load_kernel(entry, cache)
         why = Explanation("kernel", f"cached {entry.speedup or 0:.2f}x faster than eager", op=op.name, key=key,
                           variant=entry.variant, params=entry.params)
         return _Binding(op.module, module, spec, indices, inputs, attrs), why
+
+
+def _intact(entry) -> bool:
+    return entry.source is not None and source_sha256(entry.source) == entry.source_sha256
+
+
+def _load_kernel(entry, cache: Cache):
+    return load_module(write_source(entry.source, Path(cache.path).parent / "kernels-src"))
 
 
 def _tensor_args(fn, args, kwargs) -> list:
@@ -263,9 +271,9 @@ def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=
         raise LookupError(f"{op} {shape} {dtype} on {backend} is not tuned in {db.path}: run `forge search`")
     if entry.decision != "kernel":
         raise LookupError(f"{op} {shape} {dtype}: the cached decision is eager (no kernel beat it)")
-    if entry.source is None or source_sha256(entry.source) != entry.source_sha256:
+    if not _intact(entry):
         raise LookupError(f"{op} {shape} {dtype}: cached source does not match its sha256")
-    module = load_module(write_source(entry.source, Path(db.path).parent / "kernels-src"))
+    module = _load_kernel(entry, db)
     binding = _Binding(fam.module, module, spec, list(range(len(spec.inputs))), (None,) * len(spec.inputs),
                        spec.attrs)
     return lambda *tensors: binding(list(tensors))
