@@ -25,6 +25,7 @@ from forge.loader import load_module, source_sha256, write_source
 from forge.spec import cache_key
 
 _DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
+_INDEX_DTYPES = {"torch.int64": "int64", "torch.int32": "int32"}
 ALIGNMENT = 16  # bytes; kernels are validated on freshly allocated (>= 256-byte aligned) tensors
 
 
@@ -49,32 +50,44 @@ def _search_enabled(flag: bool) -> bool:
     return flag and os.environ.get("FORGE_SEARCH", "1") != "0"
 
 
+def _tensor_sig(v):
+    return ("T", tuple(v.shape), v.dtype, v.stride(), v.device, v.requires_grad, v.data_ptr() % ALIGNMENT == 0)
+
+
 def _signature(args: tuple, kwargs: dict) -> tuple:
-    """Everything a bound kernel depends on. Tensors by shape/dtype/strides/device/grad/alignment."""
+    """Everything a bound kernel depends on: grad mode, and each argument — tensors by
+    shape/dtype/strides/device/grad/alignment, other values by value (or identity if unhashable)."""
     import torch
 
     def one(v):
         if isinstance(v, torch.Tensor):
-            return ("T", tuple(v.shape), v.dtype, v.stride(), v.device, v.requires_grad,
-                    v.data_ptr() % ALIGNMENT == 0)
+            return _tensor_sig(v)
         try:
             hash(v)
         except TypeError:
             return ("id", id(v))
         return v
 
-    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+    return (torch.is_grad_enabled(), *(one(a) for a in args), *((k, one(v)) for k, v in sorted(kwargs.items())))
+
+
+def _module_state(root) -> tuple:
+    """A module's parameters and buffers, as part of the signature (model.half(), a reassigned weight)."""
+    return tuple(_tensor_sig(t) for t in root.parameters()) + tuple(_tensor_sig(t) for t in root.buffers())
 
 
 class _Binding:
     """A kernel bound to one signature: picks the op inputs from the call's tensors, launches."""
 
-    def __init__(self, opmod, module, spec, indices: list, defaults: tuple, attrs: dict):
+    def __init__(self, opmod, module, spec, indices: list, defaults: tuple, attrs: dict, getters=()):
         self.opmod, self.module, self.spec, self.attrs = opmod, module, spec, attrs
         # Inputs the user's code did not pass (rmsnorm's weight of ones) are made once, here.
         self.slots = [(i, d) for i, d in zip(indices, defaults, strict=True)]
+        self.getters = tuple(getters)  # module parameters, fetched on every call (they may be reassigned)
 
-    def __call__(self, tensors: list):
+    def __call__(self, tensors: list, root=None):
+        if self.getters:
+            tensors = [*tensors, *(g(root) for g in self.getters)]
         inputs = tuple(tensors[i] if i is not None else d for i, d in self.slots)
         out = self.opmod.alloc_output(inputs, self.spec)
         self.opmod.run(self.module, inputs, out, self.attrs)
@@ -93,22 +106,32 @@ class Optimized:
         self._bound: dict[tuple, tuple[Any, Explanation]] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
-        functools.update_wrapper(self, fn)
+        from forge.trace import _trace_target
+
+        # root: the nn.Module whose parameters the computation reads (None for a plain function).
+        self._root, _, self._sig = _trace_target(fn)
+        try:
+            functools.update_wrapper(self, fn)
+        except AttributeError:  # an nn.Module instance has no __name__ etc.
+            pass
 
     # -- hot path ---------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        sig = _signature(args, kwargs)
+        root = self._root
+        sig = _signature(args, kwargs) if root is None else _signature(args, kwargs) + _module_state(root)
         hit = self._bound.get(sig)
         if hit is None:
             hit = self._bind(sig, args, kwargs, allow_search=True)
         binding, _ = hit
         if binding is None:
             return self.fn(*args, **kwargs)
-        return binding(_tensor_args(self.fn, args, kwargs))
+        return binding(_tensor_args(self._sig, args, kwargs), root)
 
     # -- first call of a signature -----------------------------------------------------------------
     def explain(self, *args, **kwargs) -> Explanation:
         sig = _signature(args, kwargs)
+        if self._root is not None:
+            sig += _module_state(self._root)
         hit = self._bound.get(sig) or self._bind(sig, args, kwargs, allow_search=False, remember=False)
         return hit[1]
 
@@ -134,7 +157,7 @@ class Optimized:
             return None, Explanation("eager", reason, **kw)
 
         try:
-            expr, tensors = canonical(self.fn, args, kwargs)
+            traced = canonical(self.fn, args, kwargs)
         except Untraceable as exc:
             return eager(f"cannot trace: {exc}")
         from forge_cli import ops
@@ -143,12 +166,13 @@ class Optimized:
         for name in sorted(ops.available()):
             op = ops.get(name)
             m = getattr(op.module, "match", None)
-            if m is not None and (res := m(expr)) is not None:
+            if m is not None and (res := m(traced.expr)) is not None:
                 found = (op, *res)
                 break
         if found is None:
-            return eager(f"no op family matches this computation ({_describe(expr)})")
+            return eager(f"no op family matches this computation ({_describe(traced.expr)})")
         op, indices, attrs = found
+        tensors = traced.tensors
         picked = [tensors[i] if i is not None else None for i in indices]
         inputs = op.module.fill_missing(picked)
         x = inputs[0]
@@ -162,8 +186,15 @@ class Optimized:
             return eager(f"input not {ALIGNMENT}-byte aligned (kernels are validated on aligned inputs)",
                          op=op.name)
         dtype = _DTYPES.get(str(x.dtype))
-        if dtype is None or any(str(t.dtype) != str(x.dtype) for t in inputs):
+        problem = getattr(op.module, "problem", None)
+        if dtype is None or (problem is None and any(str(t.dtype) != str(x.dtype) for t in inputs)):
             return eager(f"unsupported dtype mix {[str(t.dtype) for t in inputs]}", op=op.name)
+        shape = tuple(x.shape)
+        if problem is not None:  # ops whose problem size is not just the first input's shape
+            try:
+                shape = tuple(problem(inputs, attrs))
+            except ValueError as exc:
+                return eager(f"{op.name} does not support this call: {exc}", op=op.name)
         if x.device.type == "cuda":
             backend = "cuda"
         elif x.device.type == "cpu" and self.interpreter:
@@ -174,10 +205,11 @@ class Optimized:
             return eager(f"{x.device.type} tensors without the interpreter opted in "
                          "(forge.optimize(interpreter=True) or FORGE_INTERPRETER=1)", op=op.name)
         try:
-            spec = op.module.make_spec(tuple(x.shape), dtype, "cuda" if backend == "cuda" else "cpu", attrs)
+            spec = op.module.make_spec(shape, dtype, "cuda" if backend == "cuda" else "cpu", attrs)
         except ValueError as exc:
             return eager(f"{op.name} does not support this call: {exc}", op=op.name)
-        actual = [(tuple(t.shape), _DTYPES[str(t.dtype)]) for t in inputs]
+        names = {**_DTYPES, **_INDEX_DTYPES}
+        actual = [(tuple(t.shape), names.get(str(t.dtype), str(t.dtype))) for t in inputs]
         if actual != [(s.shape, s.dtype) for s in spec.inputs]:
             return eager(f"input shapes/dtypes {actual} do not fit {op.name}'s kernel", op=op.name)
 
@@ -191,7 +223,7 @@ class Optimized:
             if entry is None and allow_search and _search_enabled(self.search):
                 from forge_cli import engine
 
-                engine.search(op.name, tuple(x.shape), dtype,
+                engine.search(op.name, shape, dtype,
                               device="cuda" if backend == "cuda" else "cpu", cache=cache, attrs=attrs,
                               options=engine.SearchOptions(budget=self.budget))
                 entry = cache.get(key)
@@ -213,7 +245,7 @@ class Optimized:
         module = _load_kernel(entry, cache)
         why = Explanation("kernel", f"cached {entry.speedup or 0:.2f}x faster than eager", op=op.name, key=key,
                           variant=entry.variant, params=entry.params)
-        return _Binding(op.module, module, spec, indices, inputs, attrs), why
+        return _Binding(op.module, module, spec, indices, inputs, attrs, traced.params), why
 
 
 def _intact(entry) -> bool:
@@ -224,15 +256,13 @@ def _load_kernel(entry, cache: Cache):
     return load_module(write_source(entry.source, Path(cache.path).parent / "kernels-src"))
 
 
-def _tensor_args(fn, args, kwargs) -> list:
+def _tensor_args(sig, args, kwargs) -> list:
     """The tensor arguments in parameter order (the order forge/trace.py indexes them)."""
     import torch
 
     if not kwargs:
         return [a for a in args if isinstance(a, torch.Tensor)]
-    import inspect
-
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound = sig.bind(*args, **kwargs)
     return [v for v in bound.arguments.values() if isinstance(v, torch.Tensor)]
 
 

@@ -11,7 +11,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = ("float16", "bfloat16", "float32")  # compute dtypes: what `--dtype` and an op's main input take
+# Every dtype a spec's tensor may have: index tensors (cross-entropy targets) are integers.
+TENSOR_DTYPES = (*DTYPES, "int64", "int32")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int64": 8, "int32": 4}
 
 
 def canonical_json(obj: Any) -> str:
@@ -40,8 +43,8 @@ class TensorSpec:
             object.__setattr__(self, "strides", contiguous_strides(self.shape))
         else:
             object.__setattr__(self, "strides", tuple(int(s) for s in self.strides))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
+        if self.dtype not in TENSOR_DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of {', '.join(TENSOR_DTYPES)}")
         if any(s < 1 for s in self.shape):
             raise ValueError(f"every dimension must be >= 1, got shape {self.shape}")
         if len(self.strides) != len(self.shape):
@@ -60,7 +63,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return 4 if self.dtype == "float32" else 2
+        return ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:

@@ -98,7 +98,8 @@ def next_pow2(n: int) -> int:
 def torch_dtype(name: str):
     import torch
 
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+            "int64": torch.int64, "int32": torch.int32}[name]
 
 
 def torch_device(spec_device: str) -> str:

@@ -26,6 +26,14 @@ def compare(out, ref, tol: Tolerance) -> str | None:
 
     if tuple(out.shape) != tuple(ref.shape):
         return f"shape {tuple(out.shape)} != expected {tuple(ref.shape)}"
+    if not out.dtype.is_floating_point:  # indices (argmax): exact, no tolerance
+        r = ref.detach().to(device=out.device, dtype=out.dtype)
+        wrong = out != r
+        if wrong.any():
+            idx = tuple(int(i) for i in wrong.nonzero()[0])
+            return (f"{int(wrong.sum())} of {out.numel()} elements differ (integer output, exact match "
+                    f"required; e.g. at {idx}: got {out[idx].item()}, expected {r[idx].item()})")
+        return None
     # Compared on the device that produced them: copying 100M+ elements to the host took seconds.
     o = out.detach().to(torch.float64)
     r = ref.detach().to(device=o.device, dtype=torch.float64)
@@ -56,6 +64,17 @@ def compare(out, ref, tol: Tolerance) -> str | None:
     return None
 
 
+def poison(out) -> None:
+    """Fill an output buffer with values no correct kernel leaves there: NaN, or the most negative
+    integer for index outputs (an index is never negative)."""
+    import torch
+
+    if out.dtype.is_floating_point:
+        out.fill_(float("nan"))
+    else:
+        out.fill_(torch.iinfo(out.dtype).min)
+
+
 def check_candidate(opmod, module, spec, seed: int, sync) -> str | None:
     """Run `module` on every distribution; return None if all pass, else the first failure's reason.
 
@@ -66,7 +85,7 @@ def check_candidate(opmod, module, spec, seed: int, sync) -> str | None:
     for i, dist in enumerate(DISTRIBUTIONS):
         inputs = opmod.make_inputs(spec, seed + 1000 * i, dist)
         out = opmod.alloc_output(inputs, spec)
-        out.fill_(float("nan"))
+        poison(out)
         run_candidate(opmod, module, inputs, out, spec.attrs, sync)
         with torch.no_grad():
             ref = opmod.oracle(inputs, spec.attrs)

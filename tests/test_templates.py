@@ -85,11 +85,20 @@ def row_candidates(variant: str, shape: tuple[int, ...]) -> list[Candidate]:
     return [Candidate.make("multirow", ROWS=multirow_rows(m), num_warps=4)]
 
 
+def shapes_for(op_name: str) -> list[tuple[int, ...]]:
+    """Row ops run on SHAPES; an op whose problem shape means something else (matmul's MxNxK,
+    attention's BxHxSxD) lists its own masking shapes as TEST_SHAPES in its kernels/<op>.py."""
+    return list(getattr(ops.get(op_name).module, "TEST_SHAPES", SHAPES))
+
+
 def candidates_for(op_name: str, shape: tuple[int, ...]) -> list[Candidate]:
-    """Hand-picked masking candidates for the row variants; for any other variant a new op brings,
-    both ends of that variant's valid grid at this shape (so a new op is covered without editing this)."""
+    """The op's own `test_candidates(spec)` if it has one; else hand-picked masking candidates for the
+    row variants and, for any other variant, both ends of that variant's valid grid at this shape (so a
+    new op is covered without editing this file)."""
     op = ops.get(op_name)
     out: list[Candidate] = []
+    if hasattr(op.module, "test_candidates"):
+        return list(op.module.test_candidates(op.module.make_spec(shape, "float32", DEVICE)))
     for variant in op.module.TEMPLATES:
         if variant in ROW_VARIANTS:
             out.extend(row_candidates(variant, shape))
@@ -103,7 +112,7 @@ def candidates_for(op_name: str, shape: tuple[int, ...]) -> list[Candidate]:
 def _cases():
     cases = []
     for op_name in OP_NAMES:
-        for shape in SHAPES:
+        for shape in shapes_for(op_name):
             for cand in candidates_for(op_name, shape):
                 for dtype in DTYPES:
                     sid = "x".join(map(str, shape))
@@ -139,9 +148,9 @@ def test_every_variant_of_every_op_is_run():
     for op_name in OP_NAMES:
         covered = {c.values[3].variant for c in CASES if c.values[0] == op_name}
         assert covered == set(ops.get(op_name).module.TEMPLATES), op_name
-        # all three dtypes are run on the small shapes
-        small = {(c.values[2], c.values[3].variant) for c in CASES if c.values[0] == op_name and c.values[1] == (3, 7)}
-        assert {d for d, _ in small} == set(DTYPES)
+        # all three dtypes are run on every shape
+        first = shapes_for(op_name)[0]
+        assert {c.values[2] for c in CASES if c.values[0] == op_name and c.values[1] == first} == set(DTYPES)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
