@@ -11,6 +11,7 @@ kept for `forge.explain` and a one-time warning.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -39,10 +40,15 @@ class Explanation:
     key: str | None = None
     variant: str | None = None
     params: dict | None = None
+    # How the kernel is launched once bound: "compiled" (recorded CompiledKernel launches, forge/launch.py),
+    # "jit" (Triton's JIT dispatch, with the reason the compiled path was refused), or None (not yet called).
+    launch: str | None = None
 
     def __str__(self) -> str:
         if self.uses == "kernel":
-            return f"forge kernel {self.op}/{self.variant}({self.params}) [{self.key[:12]}]: {self.reason}"
+            how = f" (launch: {self.launch})" if self.launch else ""
+            return (f"forge kernel {self.op}/{self.variant}({self.params}) [{self.key[:12]}]: "
+                    f"{self.reason}{how}")
         return f"eager: {self.reason}"
 
 
@@ -79,19 +85,46 @@ def _module_state(root) -> tuple:
 class _Binding:
     """A kernel bound to one signature: picks the op inputs from the call's tensors, launches."""
 
-    def __init__(self, opmod, module, spec, indices: list, defaults: tuple, attrs: dict, getters=()):
+    def __init__(self, opmod, module, spec, indices: list, defaults: tuple, attrs: dict, getters=(),
+                 device_index: int | None = None):
         self.opmod, self.module, self.spec, self.attrs = opmod, module, spec, attrs
         # Inputs the user's code did not pass (rmsnorm's weight of ones) are made once, here.
         self.slots = [(i, d) for i, d in zip(indices, defaults, strict=True)]
         self.getters = tuple(getters)  # module parameters, fetched on every call (they may be reassigned)
+        self.device_index = device_index
+        self.plan = None
+        self.launch = None if device_index is not None else "jit (the interpreter has no compiled launcher)"
+        self._record_lock = threading.Lock()
 
     def __call__(self, tensors: list, root=None):
         if self.getters:
             tensors = [*tensors, *(g(root) for g in self.getters)]
         inputs = tuple(tensors[i] if i is not None else d for i, d in self.slots)
+        plan = self.plan
+        if plan is not None and plan.usable():
+            out = self.opmod.alloc_output(inputs, self.spec)
+            plan((*inputs, out))
+            return out
         out = self.opmod.alloc_output(inputs, self.spec)
         self.opmod.run(self.module, inputs, out, self.attrs)
+        if self.launch is None:
+            self._record(inputs, out)
         return out
+
+    def _record(self, inputs: tuple, out) -> None:
+        """After the first JIT-path call: try to build the compiled launch plan (forge/launch.py)."""
+        from forge import launch
+
+        with self._record_lock:
+            if self.launch is not None:
+                return
+            try:
+                self.plan = launch.build(lambda o: self.opmod.run(self.module, inputs, o, self.attrs),
+                                         lambda: self.opmod.alloc_output(inputs, self.spec), inputs, out,
+                                         self.device_index)
+                self.launch = "compiled"
+            except launch.Refused as exc:
+                self.launch = f"jit ({exc})"
 
 
 class Optimized:
@@ -133,7 +166,10 @@ class Optimized:
         if self._root is not None:
             sig += _module_state(self._root)
         hit = self._bound.get(sig) or self._bind(sig, args, kwargs, allow_search=False, remember=False)
-        return hit[1]
+        binding, why = hit
+        if binding is not None and binding.launch is not None:
+            return dataclasses.replace(why, launch=binding.launch)
+        return why
 
     def _bind(self, sig, args, kwargs, *, allow_search: bool, remember: bool = True):
         with self._lock:  # thread-safe first call: one search per signature
@@ -245,7 +281,8 @@ class Optimized:
         module = _load_kernel(entry, cache)
         why = Explanation("kernel", f"cached {entry.speedup or 0:.2f}x faster than eager", op=op.name, key=key,
                           variant=entry.variant, params=entry.params)
-        return _Binding(op.module, module, spec, indices, inputs, attrs, traced.params), why
+        return _Binding(op.module, module, spec, indices, inputs, attrs, traced.params,
+                        x.device.index if backend == "cuda" else None), why
 
 
 def _intact(entry) -> bool:
@@ -292,7 +329,7 @@ def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=
     from forge_cli import ops
 
     fam = ops.get(op)
-    backend = "cuda" if device == "cuda" else "interpreter"
+    backend = "cuda" if str(device).startswith("cuda") else "interpreter"
     spec = fam.module.make_spec(tuple(shape), dtype, "cuda" if backend == "cuda" else "cpu", attrs)
     env = {**collect_env(backend), "templates": fam.template_hash}
     db = Cache(cache or default_cache_path())
@@ -305,8 +342,30 @@ def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=
         raise LookupError(f"{op} {shape} {dtype}: cached source does not match its sha256")
     module = _load_kernel(entry, db)
     binding = _Binding(fam.module, module, spec, list(range(len(spec.inputs))), (None,) * len(spec.inputs),
-                       spec.attrs)
-    return lambda *tensors: binding(list(tensors))
+                       spec.attrs, device_index=_device_index(device) if backend == "cuda" else None)
+    want = [(s.shape, s.dtype) for s in spec.inputs]
+    names = {**_DTYPES, **_INDEX_DTYPES}
+
+    def call(*tensors):
+        # No trace to vouch for the arguments here: check them against the spec the kernel was
+        # validated for (a wrong shape would read out of bounds, not raise).
+        got = [(tuple(t.shape), names.get(str(t.dtype), str(t.dtype))) for t in tensors]
+        if got != want:
+            raise ValueError(f"forge.load({op!r}) kernel takes {want}, got {got}")
+        if any(not t.is_contiguous() or t.data_ptr() % ALIGNMENT or t.device.type != backend.replace(
+                "interpreter", "cpu") for t in tensors):
+            raise ValueError(f"forge.load({op!r}) kernel takes contiguous, {ALIGNMENT}-byte aligned "
+                             f"{spec.device} tensors")
+        return binding(list(tensors))
+
+    return call
+
+
+def _device_index(device: str) -> int:
+    import torch
+
+    d = torch.device(device)
+    return d.index if d.index is not None else torch.cuda.current_device()
 
 
 def explain(fn, *args, **kwargs) -> Explanation:

@@ -45,3 +45,86 @@ def test_timing_is_stable_run_to_run(tmp_path, op):
     a = engine.search(op, (4096, 4096), "bfloat16", device="cuda", cache=cache, options=opts)
     b = engine.search(op, (4096, 4096), "bfloat16", device="cuda", cache=cache, options=opts)
     assert a.baseline.p50 == pytest.approx(b.baseline.p50, rel=0.05)
+
+
+# --- the runtime shim on CUDA: compiled launch path, streams, modules, forge.load ------------------
+
+
+def _rms(x, weight, eps=1e-6):
+    import torch
+
+    return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps) * weight
+
+
+@pytest.fixture
+def tuned_rmsnorm(monkeypatch):
+    """A cached rmsnorm kernel for (64, 4096) float16, accepted whatever the timing says."""
+    from forge_cli import stats
+
+    monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)
+    engine.search("rmsnorm", (64, 4096), "float16", device="cuda", cache=Cache(_default_db()), attrs={"eps": 1e-6},
+                  options=engine.SearchOptions(budget=4, timeout=120))
+
+
+def _default_db():
+    from forge.cache import default_cache_path
+
+    return default_cache_path()
+
+
+def test_shim_compiled_launch_replays_the_jit_path_bit_for_bit(tuned_rmsnorm):
+    import torch
+
+    import forge
+
+    f = forge.optimize(_rms, search=False)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
+    w = torch.randn(4096, device="cuda", dtype=torch.float16)
+    y = f(x, w)
+    e = forge.explain(f, x, w)
+    assert e.uses == "kernel" and e.launch == "compiled", e
+    binding = next(iter(f._bound.values()))[0]
+    x2 = torch.randn_like(x)
+    fast = f(x2, w)  # compiled path, new data
+    plan, binding.plan = binding.plan, None
+    slow = f(x2, w)  # JIT path
+    binding.plan = plan
+    assert torch.equal(fast, slow)
+    ref = _rms(x.double(), w.double())
+    assert torch.allclose(y.double(), ref, rtol=2e-3, atol=1e-3)
+    # On a side stream the launch goes to that stream (ordering with the producer of x3 is kept).
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x3 = torch.randn_like(x) * 3
+        y3 = f(x3, w)
+    s.synchronize()
+    assert torch.allclose(y3.double(), _rms(x3.double(), w.double()), rtol=2e-3, atol=1e-3)
+
+
+def test_shim_module_and_load_on_cuda(tuned_rmsnorm):
+    import torch
+
+    import forge
+
+    m = torch.nn.RMSNorm(4096, eps=1e-6, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        m.weight.normal_()
+    fm = forge.optimize(m, search=False)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        y = fm(x)
+        e = forge.explain(fm, x)
+    assert e.uses == "kernel" and e.op == "rmsnorm", e
+    assert torch.allclose(y.double(), _rms(x.double(), m.weight.double()), rtol=2e-3, atol=1e-3)
+    # With grad enabled the parameters require grad: eager, same values.
+    assert "require grad" in forge.explain(fm, x).reason
+    k = forge.load("rmsnorm", (64, 4096), "float16", eps=1e-6)
+    w = m.weight.detach()
+    assert torch.allclose(k(x, w).double(), _rms(x.double(), w.double()), rtol=2e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="takes"):
+        k(x[:32], w)
+    # Non-contiguous input of the same shape: eager, with the reason.
+    xt = torch.randn(4096, 64, device="cuda", dtype=torch.float16).t()
+    f = forge.optimize(_rms, search=False, warn=False)
+    assert "non-contiguous" in forge.explain(f, xt, w).reason
+    assert torch.equal(f(xt, w), _rms(xt, w))

@@ -1,0 +1,160 @@
+"""Per-call latency of the runtime shim on a cache hit (issue 3), on the GPU.
+
+Usage (on the GPU machine, from the repo root):
+    PYTHONPATH=. python3 bench/latency.py --out DIR [--calls 5000] [--budget 30]
+
+For each op (rmsnorm, softmax, gelu) at the decode shape 1x4096 and at 2048x4096, it times a host
+loop of --calls calls followed by one synchronize, for:
+  forge            the @forge.optimize-decorated function after its first call (search or cache hit)
+  forge-jit        the same binding with the compiled launch plan switched off (Triton JIT dispatch)
+  triton-jit       the winning kernel's module called directly (`launch()` via the op's run(), JIT)
+  eager            the user's function, undecorated (several aten ops for the rmsnorm formula)
+  eager-fused      the fused torch op (F.rms_norm, torch.softmax, F.gelu): one aten op
+  compile          torch.compile(function) (default mode)
+and the device time of the forge kernel (CUDA events around 200 back-to-back launches), so a row can be
+read as host-bound (per-call > device time) or device-bound. Writes DIR/latency.json; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def rms_formula(x, weight, eps=1e-6):
+    import torch
+
+    return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps) * weight
+
+
+def softmax_fn(x):
+    import torch
+
+    return torch.softmax(x, dim=-1)
+
+
+def gelu_fn(x):
+    import torch.nn.functional as F
+
+    return F.gelu(x)
+
+
+def per_call_us(fn, args, calls: int) -> float:
+    import torch
+
+    for _ in range(50):
+        fn(*args)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def device_us(fn, args, n: int = 200) -> float:
+    import torch
+
+    fn(*args)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn(*args)
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1000 / n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--budget", type=int, default=30)
+    ap.add_argument("--ops", default="rmsnorm,softmax,gelu", help="comma-separated subset")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ["FORGE_CACHE_DIR"] = str(args.out / "cache")
+    import torch
+    import torch.nn.functional as F
+
+    import forge
+    from forge.env import collect_env
+    from forge_cli import ops
+
+    env = collect_env("cuda")
+    cases = [("rmsnorm", rms_formula, lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6), "float16"),
+             ("softmax", softmax_fn, lambda x: torch.softmax(x, -1), "bfloat16"),
+             ("gelu", gelu_fn, lambda x: F.gelu(x), "float16")]
+    rows = []
+    for op, fn, fused, dtype in cases:
+        if op not in args.ops.split(","):
+            continue
+        if op not in ops.available():
+            print(f"{op}: no such op family in this tree, skipped", flush=True)
+            continue
+        for shape in ((1, 4096), (2048, 4096)):
+            tdt = getattr(torch, dtype)
+            x = torch.randn(shape, device="cuda", dtype=tdt)
+            call_args = (x, torch.randn(shape[-1], device="cuda", dtype=tdt)) if op == "rmsnorm" else (x,)
+            opt = forge.optimize(fn, budget=args.budget)
+            t0 = time.monotonic()
+            y = opt(*call_args)
+            first_s = time.monotonic() - t0
+            why = forge.explain(opt, *call_args)
+            ref = fn(*call_args)
+            max_err = float((y.float() - ref.float()).abs().max())
+            row = {"op": op, "shape": "x".join(map(str, shape)), "dtype": dtype, "uses": why.uses,
+                   "reason": why.reason, "launch": why.launch, "variant": why.variant, "params": why.params,
+                   "first_call_s": round(first_s, 1), "max_abs_err_vs_eager": max_err}
+            timings = {"forge": per_call_us(opt, call_args, args.calls),
+                       "eager": per_call_us(fn, call_args, args.calls),
+                       "eager-fused": per_call_us(fused, call_args, args.calls)}
+            compiled = torch.compile(fn)
+            timings["compile"] = per_call_us(compiled, call_args, args.calls)
+            binding = next(iter(opt._bound.values()))[0]
+            if binding is not None:
+                inputs = tuple(call_args) if op != "rmsnorm" else call_args
+                out = binding.opmod.alloc_output(inputs, binding.spec)
+
+                def raw(*a, _b=binding, _out=out):
+                    _b.opmod.run(_b.module, a, _out, _b.attrs)
+
+                timings["triton-jit"] = per_call_us(raw, inputs, args.calls)
+                row["forge_device_us"] = device_us(opt, call_args)
+                plan, binding.plan = binding.plan, None
+                timings["forge-jit"] = per_call_us(opt, call_args, args.calls)
+                binding.plan = plan
+            row["per_call_us"] = {k: round(v, 2) for k, v in timings.items()}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "gpu": env.get("gpu"), "driver": env.get("driver"), "cuda": env.get("cuda"),
+        "torch": torch.__version__, "triton": env.get("triton"), "forge": env.get("forge"),
+        "python": sys.version.split()[0], "calls_per_loop": args.calls,
+        "command": "PYTHONPATH=. python3 bench/latency.py " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+    (args.out / "latency.json").write_text(json.dumps(result, indent=2))
+    cols = ["forge", "forge-jit", "triton-jit", "eager", "eager-fused", "compile"]
+    print(f"\n{env.get('gpu')} driver {env.get('driver')} torch {torch.__version__} triton {env.get('triton')}; "
+          f"host loop of {args.calls} calls, µs per call")
+    print(f"{'op':8} {'shape':10} {'uses':6} {'launch':9} " + " ".join(f"{c:>11}" for c in cols) + f" {'device':>7}")
+    for r in rows:
+        t = r["per_call_us"]
+        launch = (r["launch"] or "-").split(" ")[0]
+        print(f"{r['op']:8} {r['shape']:10} {r['uses']:6} {launch:9} "
+              + " ".join(f"{t.get(c, float('nan')):>11.2f}" for c in cols)
+              + f" {r.get('forge_device_us', float('nan')):>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
