@@ -65,7 +65,8 @@ class Plan:
         self.launches = launches
         self.device_index = device_index
         self._stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent on CPU-only builds
-        self._current_device = torch.cuda.current_device
+        # torch._C._cuda_getDevice is what torch.cuda.current_device() returns, minus a Python frame
+        self._current_device = getattr(torch._C, "_cuda_getDevice", None)
         self._runtime = knobs.runtime
 
     def usable(self) -> bool:
@@ -78,11 +79,10 @@ class Plan:
     def __call__(self, tensors: tuple) -> None:
         stream = self._stream(self.device_index)
         for ln in self.launches:
-            args = list(ln.args)
+            args = ln.args.copy()
             for pos, src in ln.slots:
                 args[pos] = tensors[src]
-            gx, gy, gz = ln.grid
-            ln.launcher(gx, gy, gz, stream, ln.function, ln.packed_metadata, None, None, None, *args)
+            ln.launcher(*ln.grid, stream, ln.function, ln.packed_metadata, None, None, None, *args)
 
 
 def _compiled_kernel_class():

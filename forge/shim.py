@@ -56,25 +56,44 @@ def _search_enabled(flag: bool) -> bool:
     return flag and os.environ.get("FORGE_SEARCH", "1") != "0"
 
 
-def _tensor_sig(v):
-    return ("T", tuple(v.shape), v.dtype, v.stride(), v.device, v.requires_grad, v.data_ptr() % ALIGNMENT == 0)
+_hot: dict[str, Any] = {}  # torch objects the hot path uses, bound on first use (import-light module)
+
+
+def _torch_hot() -> dict[str, Any]:
+    if not _hot:
+        import torch
+
+        _hot.update(Tensor=torch.Tensor, grad=torch.is_grad_enabled)
+    return _hot
+
+
+def _tensor_sig(v) -> tuple:
+    # get_device() (an int) rather than .device (a new torch.device object per access); is_cuda tells
+    # cuda:0 from cpu (-1). Measured on the H200 host: the whole per-call key for two tensors was ~7 µs
+    # with tuple(shape) + .device + a closure, about a third of that written this way.
+    return (v.shape, v.dtype, v.stride(), v.is_cuda, v.get_device(), v.requires_grad,
+            v.data_ptr() % ALIGNMENT == 0)
+
+
+def _value_sig(v):
+    if isinstance(v, _hot["Tensor"]):
+        return _tensor_sig(v)
+    try:
+        hash(v)
+    except TypeError:
+        return ("id", id(v))
+    return v
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
     """Everything a bound kernel depends on: grad mode, and each argument — tensors by
     shape/dtype/strides/device/grad/alignment, other values by value (or identity if unhashable)."""
-    import torch
-
-    def one(v):
-        if isinstance(v, torch.Tensor):
-            return _tensor_sig(v)
-        try:
-            hash(v)
-        except TypeError:
-            return ("id", id(v))
-        return v
-
-    return (torch.is_grad_enabled(), *(one(a) for a in args), *((k, one(v)) for k, v in sorted(kwargs.items())))
+    h = _torch_hot()
+    key = [h["grad"]()]
+    key += [_value_sig(a) for a in args]
+    if kwargs:
+        key += [(k, _value_sig(v)) for k, v in sorted(kwargs.items())]
+    return tuple(key)
 
 
 def _module_state(root) -> tuple:
@@ -92,6 +111,7 @@ class _Binding:
         self.slots = [(i, d) for i, d in zip(indices, defaults, strict=True)]
         self.getters = tuple(getters)  # module parameters, fetched on every call (they may be reassigned)
         self.device_index = device_index
+        self._identity = list(indices) == list(range(len(indices)))  # inputs are the call's tensors as-is
         self.plan = None
         self.launch = None if device_index is not None else "jit (the interpreter has no compiled launcher)"
         self._record_lock = threading.Lock()
@@ -99,7 +119,10 @@ class _Binding:
     def __call__(self, tensors: list, root=None):
         if self.getters:
             tensors = [*tensors, *(g(root) for g in self.getters)]
-        inputs = tuple(tensors[i] if i is not None else d for i, d in self.slots)
+        if self._identity and len(tensors) == len(self.slots):
+            inputs = tuple(tensors)
+        else:
+            inputs = tuple(tensors[i] if i is not None else d for i, d in self.slots)
         plan = self.plan
         if plan is not None and plan.usable():
             out = self.opmod.alloc_output(inputs, self.spec)
@@ -150,6 +173,30 @@ class Optimized:
 
     # -- hot path ---------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        root = self._root
+        if kwargs or root is not None:
+            return self._call_general(args, kwargs)
+        # The common case, kept to one pass over the arguments (a cache hit costs this plus a launch).
+        h = _hot or _torch_hot()
+        tensor_cls = h["Tensor"]
+        key = [h["grad"]()]
+        tensors = []
+        for a in args:
+            if isinstance(a, tensor_cls):
+                tensors.append(a)
+                key.append(_tensor_sig(a))
+            else:
+                key.append(_value_sig(a))
+        key = tuple(key)
+        hit = self._bound.get(key)
+        if hit is None:
+            hit = self._bind(key, args, kwargs, allow_search=True)
+        binding = hit[0]
+        if binding is None:
+            return self.fn(*args)
+        return binding(tensors)
+
+    def _call_general(self, args, kwargs):
         root = self._root
         sig = _signature(args, kwargs) if root is None else _signature(args, kwargs) + _module_state(root)
         hit = self._bound.get(sig)
