@@ -7,6 +7,7 @@ for scripts (one JSON document on stdout, nothing else there).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.syntax import Syntax
 from rich.table import Table
@@ -21,6 +23,7 @@ from rich.table import Table
 from forge.cache import AmbiguousKey, Cache, CacheError, KeyNotFound, default_cache_path
 from forge.spec import parse_shape
 from forge_cli import engine
+from forge_cli import manifest as manifest_mod
 from forge_cli.errors import EXIT_CODES_HELP, ExitCode, ForgeError, UsageError
 
 app = typer.Typer(
@@ -149,6 +152,13 @@ class _ProgressEvents:
         self.progress = progress
         self.task = None
         self.total = 0
+        self.label = ""
+
+    def reset(self, description: str) -> None:
+        """A new search (the next manifest entry): a fresh bar under its label."""
+        if self.progress is not None and self.task is not None:
+            self.progress.remove_task(self.task)
+        self.task, self.total, self.label = None, 0, description
 
     def __call__(self, kind: str, **data: Any) -> None:
         p = self.progress
@@ -157,54 +167,75 @@ class _ProgressEvents:
         if p is None:
             return
         if kind == "start":
-            self.task = p.add_task(f"starting {data['workers']} worker(s) ({data['backend']})", total=None)
+            self.task = p.add_task(f"{self.label} starting {data['workers']} worker(s) ({data['backend']})".strip(),
+                                   total=None)
         elif kind == "batch":
             self.total += 2 * data["size"]
-            p.update(self.task, total=self.total, description="validating + timing")
+            p.update(self.task, total=self.total, description=f"{self.label} validating + timing".strip())
         elif kind in ("validated", "timed"):
             adv = 2 if kind == "validated" and data["result"].status != "ok" else 1
             p.update(self.task, advance=adv)
         elif kind == "finalists":
-            p.update(self.task, description=f"re-timing {len(data['results'])} finalists vs eager")
+            p.update(self.task, description=f"{self.label} re-timing {len(data['results'])} finalists vs eager".strip())
 
 
 @app.command()
 def search(
-    op: Annotated[str, typer.Argument(help="Op family, e.g. rmsnorm or softmax.")],
-    shape: Annotated[str, typer.Option("--shape", help="Input shape, e.g. 2048x4096.")],
-    dtype: Annotated[str, typer.Option(help="float16, bfloat16 or float32.")] = "float16",
-    budget: Annotated[int, typer.Option(help="Maximum number of candidates.")] = 50,
-    strategy: Annotated[str, typer.Option(help="grid or random.")] = "grid",
-    seed: Annotated[int, typer.Option(help="Seed for --strategy random and the test inputs.")] = 0,
+    op: Annotated[str | None, typer.Argument(help="Op family, e.g. rmsnorm or softmax (or use --manifest).")] = None,
+    shape: Annotated[str | None, typer.Option("--shape", help="Input shape, e.g. 2048x4096.")] = None,
+    manifest: Annotated[Path | None, typer.Option("--manifest", help="Tune every entry of a TOML manifest "
+                                                                     "(see docs/manifest.md).")] = None,
+    shard: Annotated[str | None, typer.Option("--shard", help="With --manifest: only shard I of N, "
+                                                              "written I/N with 0 <= I < N.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float16, bfloat16 or float32 [default: float16].")] = None,
+    budget: Annotated[int | None, typer.Option(help="Maximum number of candidates [default: 50].")] = None,
+    strategy: Annotated[str | None, typer.Option(help="grid or random [default: grid].")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for --strategy random and the test inputs "
+                                                  "[default: 0].")] = None,
     device: Annotated[str | None, typer.Option(help="cuda or cpu (Triton interpreter) "
                                                     "[default: cuda if available, else cpu].")] = None,
     force: Annotated[bool, typer.Option("--force", help="Search even if a decision is cached.")] = False,
     json_out: JsonOpt = False,
     cache: CacheOpt = None,
-    timeout: Annotated[float, typer.Option(help="Seconds per candidate before its worker is killed.")] = 120.0,
+    timeout: Annotated[float | None, typer.Option(help="Seconds per candidate before its worker is killed "
+                                                       "[default: 120].")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes [default: by backend].")] = None,
     attr: Annotated[list[str] | None, typer.Option("--attr", help="Scalar attribute NAME=VALUE, "
                                                                   "e.g. --attr eps=1e-5.")] = None,
     top: Annotated[int, typer.Option(help="Rows of ok candidates to show.")] = 10,
 ) -> None:
-    """Search for the fastest correct kernel for OP at --shape, against eager PyTorch."""
+    """Search for the fastest correct kernel for OP at --shape (or for every entry of --manifest),
+    against eager PyTorch. Settings: command line > FORGE_* environment > manifest > built-in."""
+    cli = {"dtype": dtype, "budget": budget, "strategy": strategy, "seed": seed, "timeout": timeout,
+           "device": device, "workers": workers, "cache": cache}
     try:
-        if strategy not in ("grid", "random"):
-            raise UsageError(f"unknown strategy {strategy!r}; expected grid or random")
+        for name in ("dtype", "budget", "strategy", "seed", "timeout", "device", "workers"):
+            if cli[name] is not None:
+                cli[name] = manifest_mod._check(name, cli[name], f"--{name}")
+        if manifest is not None:
+            if op is not None or shape is not None or attr:
+                raise UsageError("--manifest replaces OP, --shape and --attr; give either a manifest or one op")
+            _search_manifest(manifest, shard, cli, force, json_out)
+            return
+        if shard is not None:
+            raise UsageError("--shard needs --manifest")
+        if op is None or shape is None:
+            raise UsageError("give OP and --shape (e.g. forge search rmsnorm --shape 2048x4096), or --manifest FILE")
         try:
             shape_t = parse_shape(shape)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        if timeout <= 0:
-            raise UsageError("--timeout must be positive")
-        options = engine.SearchOptions(budget=budget, strategy=strategy, seed=seed, force=force,
-                                       timeout=timeout, workers=workers)
+        env = os.environ
+        r = {name: manifest_mod.resolve(name, cli, env) for name in
+             ("dtype", "budget", "strategy", "seed", "timeout", "device", "workers")}
+        options = engine.SearchOptions(budget=r["budget"], strategy=r["strategy"], seed=r["seed"], force=force,
+                                       timeout=r["timeout"], workers=r["workers"])
         attrs = _parse_attrs(attr or [])
         db = _open_cache(cache)
         show_progress = not json_out and err.is_terminal
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=err, disable=not show_progress) as progress:
-            report = engine.search(op, shape_t, dtype, device=device, cache=db, attrs=attrs,
+            report = engine.search(op, shape_t, r["dtype"], device=r["device"], cache=db, attrs=attrs,
                                    options=options, events=_ProgressEvents(progress))
     except ForgeError as exc:
         raise _fail(exc, exc.exit_code) from None
@@ -216,6 +247,53 @@ def search(
         _print_report(report, top)
     if report.decision == "none":
         raise typer.Exit(ExitCode.ALL_FAILED)
+
+
+def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json_out: bool) -> None:
+    from forge_cli import batch
+
+    m = manifest_mod.load(path, cli=cli)
+    jobs = m.jobs
+    part = None
+    if shard is not None:
+        part = manifest_mod.parse_shard(shard)
+        jobs = manifest_mod.shard(jobs, *part)
+    db = _open_cache(m.cache)
+    show_progress = not json_out and err.is_terminal
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, disable=not show_progress) as progress:
+        events = _ProgressEvents(progress)
+
+        def on_start(n: int, job) -> None:
+            label = f"[{n + 1}/{len(jobs)}] {job.label}"
+            if show_progress:
+                events.reset(label)
+            elif not json_out:
+                err.print(label)
+
+        results = batch.run(jobs, cache=db, device=m.device, workers=m.workers, force=force,
+                            on_start=on_start, events=events)
+    failed = [r for r in results if r.status == "failed"]
+    if json_out:
+        print(json.dumps({"manifest": str(path), "shard": list(part) if part else None, "cache": str(db.path),
+                          "jobs": len(jobs), "total_jobs": len(m.jobs), "failed": len(failed),
+                          "entries": [r.to_dict() for r in results]}, indent=2))
+    else:
+        title = f"{path}" + (f" — shard {part[0]}/{part[1]}: {len(jobs)} of {len(m.jobs)} jobs" if part else "")
+        table = Table(title=title)
+        for col in ("entry", "op", "shape", "dtype", "status", "decision", "winner", "p50 µs", "eager µs",
+                    "speedup", "s"):
+            table.add_column(col, justify="right" if col in ("p50 µs", "eager µs", "speedup", "s") else "left")
+        for r in results:
+            status = {"failed": "[red]failed[/]", "cached": "cached", "searched": "[green]searched[/]"}[r.status]
+            table.add_row(str(r.entry), r.op, r.shape, r.dtype, status, r.decision or "-", r.winner or "-",
+                          _fmt_us(r.p50_us), _fmt_us(r.eager_p50_us), _fmt_speedup(r.speedup), f"{r.seconds:.1f}")
+        out.print(table)
+        out.print(f"cache: {db.path}")
+        for r in failed:
+            err.print(f"[bold red]failed:[/] {escape(f'[[op]] #{r.entry} {r.op} {r.shape} {r.dtype}: {r.error}')}")
+    if failed:
+        raise typer.Exit(failed[0].exit_code or ExitCode.ALL_FAILED)
 
 
 def _age(created: float) -> str:

@@ -151,6 +151,20 @@ class Pool:
                 if reply.get("status") != "ok":
                     raise WorkerInternalError(f"worker setup failed: {reply.get('reason')}")
 
+    def reconfigure(self, setup: dict, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        """Point every worker at a new spec (a manifest's next entry) without restarting it."""
+        self.setup_msg = setup  # replacements started from now on get it at start
+        for w in list(self.workers):
+            try:
+                w.conn.send(setup)
+                reply = w.conn.recv() if w.conn.poll(timeout) else None
+            except (BrokenPipeError, EOFError, OSError):
+                reply = None
+            if reply is None:  # died or hung since its last task: a fresh one gets the new setup
+                self._replace(w)
+            elif reply.get("status") != "ok":
+                raise WorkerInternalError(f"worker setup failed: {reply.get('reason')}")
+
     def start(self) -> Pool:
         self.workers = [self._spawn() for _ in range(self.size)]
         self._await_ready(self.workers)
