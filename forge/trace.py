@@ -94,6 +94,8 @@ class Traced:
     expr: tuple
     tensors: list
     params: list[Callable[[Any], Any]] = field(default_factory=list)
+    # What each input is: an fx Node (argument, cut) or a parameter's qualified name (TraceGraph.expr).
+    leaves: list = field(default_factory=list)
 
 
 def _name(node) -> str:
@@ -170,231 +172,273 @@ def _trace_target(fn):
     return None, fn, inspect.signature(fn)
 
 
+class TraceGraph:
+    """A traced function/module and the real value of every node, from one run on the call's arguments."""
+
+    def __init__(self, fn, args: tuple, kwargs: dict):
+        import torch
+        import torch.fx as fx
+
+
+        root, target, sig = _trace_target(fn)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise Untraceable(f"arguments do not fit the signature: {exc}") from None
+        bound.apply_defaults()
+        tensors, concrete = [], {}
+        for name, value in bound.arguments.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append((name, value))
+            else:
+                concrete[name] = value
+        try:
+            tracer = fx.Tracer()
+            graph = tracer.trace(target, concrete_args=concrete)
+            # tracer.root: the module, or the one fx made to hold tensors a plain function closes over
+            gm = fx.GraphModule(tracer.root, graph)
+        except Exception as exc:  # noqa: BLE001 - fx raises many types for untraceable code
+            raise Untraceable(f"torch.fx could not trace it: {type(exc).__name__}: {exc}") from None
+        values: dict = {}
+
+        class Recorder(fx.Interpreter):
+            def run_node(self, n):
+                values[n] = super().run_node(n)
+                return values[n]
+
+        # Placeholders come in parameter order; concrete (non-tensor) ones are re-passed their value.
+        params = list(sig.parameters)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(params):
+            raise Untraceable("functions with *args/**kwargs are not traced")
+        try:
+            with torch.no_grad():
+                Recorder(gm).run(*(bound.arguments[p] for p in params))
+        except Exception as exc:  # noqa: BLE001 - the user's code failed on its own arguments
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise Untraceable(f"running the traced graph failed: {type(exc).__name__}: {first_line}") from None
+
+        self.fx, self.torch = fx, torch
+        self.root, self.gm, self.values, self.sig = root, gm, values, sig
+        self.placeholders, self.params, self.tensors = placeholders, params, tensors
+
+    def output_node(self):
+        out = [n for n in self.gm.graph.nodes if n.op == "output"][0]
+        return out.args[0]
+
+    def expr(self, at, cut=frozenset(), number_args: bool = True) -> Traced:
+        """The canonical tree of node `at`. Nodes in `cut` are leaves (numbered inputs), as are the
+        function's tensor arguments and module parameters. number_args: the function's tensor
+        arguments are inputs 0..k-1 in parameter order (the shim's numbering); else leaves are
+        numbered in order of first use (matching a region of a larger graph)."""
+        torch, fx = self.torch, self.fx
+        values, gm, root = self.values, self.gm, self.root
+        placeholders, params, tensors = self.placeholders, self.params, self.tensors
+        leaf_nodes: list = []
+
+        getters: list = []
+        param_index: dict[Any, int] = {}
+        memo: dict = {}
+        if number_args:
+            tensor_index = {name: i for i, (name, _) in enumerate(tensors)}
+            index = {ph: tensor_index[p] for ph, p in zip(placeholders, params, strict=True) if p in tensor_index}
+            inputs = [t for _, t in tensors]
+            leaf_nodes.extend(sorted(index, key=index.get))
+        else:
+            index, inputs = {}, []
+
+        def param_input(qualname: str, value) -> tuple:
+            """A module parameter/buffer as one more numbered input, fetched by name on every call."""
+            if qualname not in param_index:
+                if root is None:  # a constant fx captured from a plain function's closure: fixed object
+                    getters.append(lambda _root, v=value: v)
+                else:
+                    getters.append(operator.attrgetter(qualname))
+                param_index[qualname] = len(inputs)
+                inputs.append(value)
+                leaf_nodes.append(qualname)
+            return ("input", param_index[qualname])
+
+        def leaf(n, value) -> tuple:
+            """A node taken as an input of the region being matched (a cut, or an argument)."""
+            if n not in param_index:
+                getters.append(lambda _root, v=value: v)
+                param_index[n] = len(inputs)
+                inputs.append(value)
+                leaf_nodes.append(n)
+            return ("input", param_index[n])
+
+        def concrete_value(a):
+            """Python value of an argument, with fx nodes inside (slice bounds, shapes) resolved."""
+            if isinstance(a, fx.Node):
+                return values.get(a)
+            if isinstance(a, slice):
+                return slice(concrete_value(a.start), concrete_value(a.stop), concrete_value(a.step))
+            if isinstance(a, list | tuple):
+                return type(a)(concrete_value(x) for x in a)
+            return a
+
+        def holds_tensor(a) -> bool:
+            if isinstance(a, fx.Node):
+                v = values.get(a)
+                return isinstance(v, torch.Tensor) or (isinstance(v, list | tuple)
+                                                       and any(isinstance(x, torch.Tensor) for x in v))
+            return isinstance(a, list | tuple) and any(holds_tensor(x) for x in a)
+
+        def conv(a):
+            if isinstance(a, fx.Node):
+                return node(a)
+            if isinstance(a, list | tuple):
+                return tuple(conv(x) for x in a)
+            return ("const", concrete_value(a))
+
+        def node(n) -> tuple:
+            if n in memo:
+                return memo[n]
+            v = values.get(n)
+            holds_tensors = isinstance(v, list | tuple) and any(isinstance(x, torch.Tensor) for x in v)
+            if n in cut and isinstance(v, torch.Tensor):
+                res = leaf(n, v)
+            elif n.op == "placeholder" and n in index:
+                res = ("input", index[n])
+            elif n.op == "placeholder":
+                res = leaf(n, v) if isinstance(v, torch.Tensor) else ("const", v)
+            elif n.op == "get_attr" and isinstance(v, torch.Tensor):
+                res = param_input(str(n.target), v)
+            elif not isinstance(v, torch.Tensor) and not holds_tensors:
+                res = ("const", v)
+            elif n.op in ("call_function", "call_method"):
+                res = _call(n)
+            elif n.op == "call_module":
+                res = _module(n)
+            else:
+                res = ("opaque", f"{n.op} {n.target}")
+            memo[n] = res
+            return res
+
+        def ndim_of(a) -> int | None:
+            v = values.get(a) if isinstance(a, fx.Node) else None
+            if isinstance(v, torch.Tensor):
+                return v.ndim
+            if isinstance(a, list | tuple) and a:
+                return ndim_of(a[0])
+            return None
+
+        def _generic(name: str, n) -> tuple | None:
+            canon, decl = SIGNATURES[name]
+            names = [p for p, _ in decl]
+            if len(n.args) > len(names) or set(n.kwargs) - set(names):
+                return None
+            got = dict(zip(names, n.args, strict=False))
+            if set(got) & set(n.kwargs):
+                return None
+            got.update(n.kwargs)
+            out = []
+            ndim = ndim_of(n.args[0]) if n.args else None
+            for p, default in decl:
+                if p in got:
+                    a = got[p]
+                elif default is _REQ:
+                    return None
+                else:
+                    a = default
+                if p == "dim":
+                    d = _neg_dim(concrete_value(a), ndim)
+                    if canon in _DIM_LIST_FOLDS and isinstance(d, tuple) and len(d) == 1:
+                        d = d[0]
+                    out.append(("const", d))
+                elif holds_tensor(a):
+                    out.append(conv(a))
+                else:  # shapes, flags, index tuples: one spelling whether passed as a tuple or via nodes
+                    out.append(("const", concrete_value(a)))
+            return (canon, *out)
+
+        def _call(n) -> tuple:
+            name = _name(n)
+            args = [conv(a) for a in n.args]
+            kw = {k: conv(x) for k, x in n.kwargs.items()}
+            first = n.args[0] if n.args else None
+            first_value = values.get(first) if isinstance(first, fx.Node) else None
+            ndim = first_value.ndim if isinstance(first_value, torch.Tensor) else None
+            if name in ("mul",) and not kw:
+                return _flat("mul", args)
+            if name in ("add",) and not kw and len(args) == 2:
+                return _flat("add", args)
+            if name in ("div", "true_divide") and not kw and len(args) == 2:
+                return _flat("mul", [args[0], _recip(args[1])])
+            if name == "sub" and not kw and len(args) == 2:
+                return ("sub", *args)
+            if name == "pow" and len(args) == 2 and args[1][0] == "const":
+                e = args[1][1]
+                if e == 2:
+                    return _flat("mul", [args[0], args[0]])
+                if e == 0.5:
+                    return ("sqrt", args[0])
+                if e == -0.5:
+                    return ("rsqrt", args[0])
+            if name in UNARY and len(args) == 1 and not kw:
+                if name == "reciprocal":
+                    return _recip(args[0])
+                return ("erf" if name == "special_erf" else name, args[0])
+            if name == "mean" and ndim is not None:
+                dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+                keepdim = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
+                if keepdim and _last_dim(dim, ndim) and n.kwargs.get("dtype") is None:
+                    return ("mean_last", args[0])
+            if name in ("softmax", "log_softmax") and ndim is not None:
+                dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+                if _last_dim(dim, ndim) and n.kwargs.get("dtype") is None and n.kwargs.get("_stacklevel", 3) == 3:
+                    return (f"{name}_last", args[0])
+            if name == "rms_norm" and ndim is not None:
+                x = values[first]
+                shape = n.kwargs.get("normalized_shape", n.args[1] if len(n.args) > 1 else None)
+                weight = n.kwargs.get("weight", n.args[2] if len(n.args) > 2 else None)
+                eps = n.kwargs.get("eps", n.args[3] if len(n.args) > 3 else None)
+                if tuple(int(s) for s in concrete_value(shape)) == tuple(x.shape[-1:]):
+                    eps = torch.finfo(x.dtype).eps if eps is None else float(concrete_value(eps))
+                    return ("rms_norm", args[0], conv(weight) if weight is not None else ("none",), eps)
+            if name in SIGNATURES and (res := _generic(name, n)) is not None:
+                return res
+            heads = [a[0] if a and isinstance(a[0], str) else "tuple" for a in args]
+            return ("opaque", f"{name}({', '.join(heads)})")
+
+        def _module(n) -> tuple:
+            """Leaf nn.Modules fx does not trace into, as the functional call they make."""
+            mod = gm.get_submodule(str(n.target))
+            kind = type(mod).__name__
+            args = [conv(a) for a in n.args]
+            if n.kwargs or len(args) != (2 if kind == "CrossEntropyLoss" else 1):
+                return ("opaque", f"module {kind} called with {len(args)} args, kwargs {sorted(n.kwargs)}")
+            x = values.get(n.args[0])
+
+            def p(attr: str) -> tuple:
+                t = getattr(mod, attr, None)
+                return ("const", None) if t is None else param_input(f"{n.target}.{attr}", t)
+
+            if kind == "LayerNorm":
+                return ("layer_norm", args[0], ("const", tuple(mod.normalized_shape)), p("weight"), p("bias"),
+                        ("const", mod.eps))
+            if kind == "RMSNorm" and tuple(mod.normalized_shape) == tuple(x.shape[-1:]):
+                eps = torch.finfo(x.dtype).eps if mod.eps is None else float(mod.eps)
+                w = p("weight")
+                return ("rms_norm", args[0], ("none",) if w == ("const", None) else w, eps)
+            if kind == "GELU":
+                return ("gelu", args[0], ("const", mod.approximate))
+            if kind == "SiLU":
+                return ("silu", args[0], ("const", mod.inplace))
+            if kind in ("Softmax", "LogSoftmax") and x is not None and _last_dim(mod.dim, x.ndim):
+                return ("softmax_last" if kind == "Softmax" else "log_softmax_last", args[0])
+            if kind == "CrossEntropyLoss":
+                return ("cross_entropy", args[0], args[1], p("weight"), ("const", None), ("const", mod.ignore_index),
+                        ("const", None), ("const", mod.reduction), ("const", mod.label_smoothing))
+            return ("opaque", f"module {kind}")
+
+        if at is None or not isinstance(at, fx.Node):
+            return Traced(("opaque", "output is not a single tensor"), inputs, getters, leaf_nodes)
+        return Traced(node(at), inputs, getters, leaf_nodes)
+
+
 def canonical(fn, args: tuple, kwargs: dict) -> Traced:
     """Trace `fn(*args, **kwargs)`; return its output's expression tree and the tensors it reads."""
-    import torch
-    import torch.fx as fx
-
-    root, target, sig = _trace_target(fn)
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise Untraceable(f"arguments do not fit the signature: {exc}") from None
-    bound.apply_defaults()
-    tensors, concrete = [], {}
-    for name, value in bound.arguments.items():
-        if isinstance(value, torch.Tensor):
-            tensors.append((name, value))
-        else:
-            concrete[name] = value
-    try:
-        tracer = fx.Tracer()
-        graph = tracer.trace(target, concrete_args=concrete)
-        # tracer.root: the module, or the one fx made to hold tensors a plain function closes over
-        gm = fx.GraphModule(tracer.root, graph)
-    except Exception as exc:  # noqa: BLE001 - fx raises many types for untraceable code
-        raise Untraceable(f"torch.fx could not trace it: {type(exc).__name__}: {exc}") from None
-    values: dict = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n):
-            values[n] = super().run_node(n)
-            return values[n]
-
-    # Placeholders come in parameter order; concrete (non-tensor) ones are re-passed their value.
-    params = list(sig.parameters)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(params):
-        raise Untraceable("functions with *args/**kwargs are not traced")
-    try:
-        with torch.no_grad():
-            Recorder(gm).run(*(bound.arguments[p] for p in params))
-    except Exception as exc:  # noqa: BLE001 - the user's code failed on its own arguments
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise Untraceable(f"running the traced graph failed: {type(exc).__name__}: {first_line}") from None
-
-    tensor_index = {name: i for i, (name, _) in enumerate(tensors)}
-    index = {ph: tensor_index[p] for ph, p in zip(placeholders, params, strict=True) if p in tensor_index}
-    inputs = [t for _, t in tensors]
-    getters: list = []
-    param_index: dict[str, int] = {}
-    memo: dict = {}
-
-    def param_input(qualname: str, value) -> tuple:
-        """A module parameter/buffer as one more numbered input, fetched by name on every call."""
-        if qualname not in param_index:
-            if root is None:  # a constant fx captured from a plain function's closure: fixed object
-                getters.append(lambda _root, v=value: v)
-            else:
-                getters.append(operator.attrgetter(qualname))
-            param_index[qualname] = len(inputs)
-            inputs.append(value)
-        return ("input", param_index[qualname])
-
-    def concrete_value(a):
-        """Python value of an argument, with fx nodes inside (slice bounds, shapes) resolved."""
-        if isinstance(a, fx.Node):
-            return values.get(a)
-        if isinstance(a, slice):
-            return slice(concrete_value(a.start), concrete_value(a.stop), concrete_value(a.step))
-        if isinstance(a, list | tuple):
-            return type(a)(concrete_value(x) for x in a)
-        return a
-
-    def holds_tensor(a) -> bool:
-        if isinstance(a, fx.Node):
-            v = values.get(a)
-            return isinstance(v, torch.Tensor) or (isinstance(v, list | tuple)
-                                                   and any(isinstance(x, torch.Tensor) for x in v))
-        return isinstance(a, list | tuple) and any(holds_tensor(x) for x in a)
-
-    def conv(a):
-        if isinstance(a, fx.Node):
-            return node(a)
-        if isinstance(a, list | tuple):
-            return tuple(conv(x) for x in a)
-        return ("const", concrete_value(a))
-
-    def node(n) -> tuple:
-        if n in memo:
-            return memo[n]
-        v = values.get(n)
-        holds_tensors = isinstance(v, list | tuple) and any(isinstance(x, torch.Tensor) for x in v)
-        if n.op == "placeholder":
-            res = ("input", index[n]) if n in index else ("const", v)
-        elif n.op == "get_attr" and isinstance(v, torch.Tensor):
-            res = param_input(str(n.target), v)
-        elif not isinstance(v, torch.Tensor) and not holds_tensors:
-            res = ("const", v)
-        elif n.op in ("call_function", "call_method"):
-            res = _call(n)
-        elif n.op == "call_module":
-            res = _module(n)
-        else:
-            res = ("opaque", f"{n.op} {n.target}")
-        memo[n] = res
-        return res
-
-    def ndim_of(a) -> int | None:
-        v = values.get(a) if isinstance(a, fx.Node) else None
-        if isinstance(v, torch.Tensor):
-            return v.ndim
-        if isinstance(a, list | tuple) and a:
-            return ndim_of(a[0])
-        return None
-
-    def _generic(name: str, n) -> tuple | None:
-        canon, decl = SIGNATURES[name]
-        names = [p for p, _ in decl]
-        if len(n.args) > len(names) or set(n.kwargs) - set(names):
-            return None
-        got = dict(zip(names, n.args, strict=False))
-        if set(got) & set(n.kwargs):
-            return None
-        got.update(n.kwargs)
-        out = []
-        ndim = ndim_of(n.args[0]) if n.args else None
-        for p, default in decl:
-            if p in got:
-                a = got[p]
-            elif default is _REQ:
-                return None
-            else:
-                a = default
-            if p == "dim":
-                d = _neg_dim(concrete_value(a), ndim)
-                if canon in _DIM_LIST_FOLDS and isinstance(d, tuple) and len(d) == 1:
-                    d = d[0]
-                out.append(("const", d))
-            elif holds_tensor(a):
-                out.append(conv(a))
-            else:  # shapes, flags, index tuples: one spelling whether passed as a tuple or via nodes
-                out.append(("const", concrete_value(a)))
-        return (canon, *out)
-
-    def _call(n) -> tuple:
-        name = _name(n)
-        args = [conv(a) for a in n.args]
-        kw = {k: conv(x) for k, x in n.kwargs.items()}
-        first = n.args[0] if n.args else None
-        first_value = values.get(first) if isinstance(first, fx.Node) else None
-        ndim = first_value.ndim if isinstance(first_value, torch.Tensor) else None
-        if name in ("mul",) and not kw:
-            return _flat("mul", args)
-        if name in ("add",) and not kw and len(args) == 2:
-            return _flat("add", args)
-        if name in ("div", "true_divide") and not kw and len(args) == 2:
-            return _flat("mul", [args[0], _recip(args[1])])
-        if name == "sub" and not kw and len(args) == 2:
-            return ("sub", *args)
-        if name == "pow" and len(args) == 2 and args[1][0] == "const":
-            e = args[1][1]
-            if e == 2:
-                return _flat("mul", [args[0], args[0]])
-            if e == 0.5:
-                return ("sqrt", args[0])
-            if e == -0.5:
-                return ("rsqrt", args[0])
-        if name in UNARY and len(args) == 1 and not kw:
-            if name == "reciprocal":
-                return _recip(args[0])
-            return ("erf" if name == "special_erf" else name, args[0])
-        if name == "mean" and ndim is not None:
-            dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-            keepdim = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
-            if keepdim and _last_dim(dim, ndim) and n.kwargs.get("dtype") is None:
-                return ("mean_last", args[0])
-        if name in ("softmax", "log_softmax") and ndim is not None:
-            dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-            if _last_dim(dim, ndim) and n.kwargs.get("dtype") is None and n.kwargs.get("_stacklevel", 3) == 3:
-                return (f"{name}_last", args[0])
-        if name == "rms_norm" and ndim is not None:
-            x = values[first]
-            shape = n.kwargs.get("normalized_shape", n.args[1] if len(n.args) > 1 else None)
-            weight = n.kwargs.get("weight", n.args[2] if len(n.args) > 2 else None)
-            eps = n.kwargs.get("eps", n.args[3] if len(n.args) > 3 else None)
-            if tuple(int(s) for s in concrete_value(shape)) == tuple(x.shape[-1:]):
-                eps = torch.finfo(x.dtype).eps if eps is None else float(concrete_value(eps))
-                return ("rms_norm", args[0], conv(weight) if weight is not None else ("none",), eps)
-        if name in SIGNATURES and (res := _generic(name, n)) is not None:
-            return res
-        heads = [a[0] if a and isinstance(a[0], str) else "tuple" for a in args]
-        return ("opaque", f"{name}({', '.join(heads)})")
-
-    def _module(n) -> tuple:
-        """Leaf nn.Modules fx does not trace into, as the functional call they make."""
-        mod = gm.get_submodule(str(n.target))
-        kind = type(mod).__name__
-        args = [conv(a) for a in n.args]
-        if n.kwargs or len(args) != (2 if kind == "CrossEntropyLoss" else 1):
-            return ("opaque", f"module {kind} called with {len(args)} args, kwargs {sorted(n.kwargs)}")
-        x = values.get(n.args[0])
-
-        def p(attr: str) -> tuple:
-            t = getattr(mod, attr, None)
-            return ("const", None) if t is None else param_input(f"{n.target}.{attr}", t)
-
-        if kind == "LayerNorm":
-            return ("layer_norm", args[0], ("const", tuple(mod.normalized_shape)), p("weight"), p("bias"),
-                    ("const", mod.eps))
-        if kind == "RMSNorm" and tuple(mod.normalized_shape) == tuple(x.shape[-1:]):
-            eps = torch.finfo(x.dtype).eps if mod.eps is None else float(mod.eps)
-            w = p("weight")
-            return ("rms_norm", args[0], ("none",) if w == ("const", None) else w, eps)
-        if kind == "GELU":
-            return ("gelu", args[0], ("const", mod.approximate))
-        if kind == "SiLU":
-            return ("silu", args[0], ("const", mod.inplace))
-        if kind in ("Softmax", "LogSoftmax") and x is not None and _last_dim(mod.dim, x.ndim):
-            return ("softmax_last" if kind == "Softmax" else "log_softmax_last", args[0])
-        if kind == "CrossEntropyLoss":
-            return ("cross_entropy", args[0], args[1], p("weight"), ("const", None), ("const", mod.ignore_index),
-                    ("const", None), ("const", mod.reduction), ("const", mod.label_smoothing))
-        return ("opaque", f"module {kind}")
-
-    out = [n for n in gm.graph.nodes if n.op == "output"][0]
-    result = out.args[0]
-    if not isinstance(result, fx.Node):
-        return Traced(("opaque", "output is not a single tensor"), inputs, getters)
-    expr = node(result)
-    return Traced(expr, inputs, getters)
+    g = TraceGraph(fn, args, kwargs)
+    return g.expr(g.output_node())

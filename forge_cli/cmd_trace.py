@@ -1,0 +1,106 @@
+"""`forge trace`: the CLI layer over forge_cli/tracecmd.py."""
+
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+
+def register(app: typer.Typer, cache_app: typer.Typer) -> None:
+    from forge_cli import cli
+    from forge_cli.errors import ExitCode, ForgeError, UsageError
+
+    @app.command("trace")
+    def trace_cmd(
+        target: Annotated[str, typer.Argument(help="FILE.py (KernelBench: Model, get_inputs, get_init_inputs) "
+                                                   "or FILE.py:function.")],
+        input_: Annotated[list[str] | None, typer.Option("--input", help="For FILE.py:function: one input "
+                                                         "SHAPE[:DTYPE] per argument, e.g. 2048x4096:float16.")] = None,
+        device: Annotated[str | None, typer.Option(help="cuda or cpu [default: cuda if available].")] = None,
+        dtype: Annotated[str | None, typer.Option(help="Cast the model and its floating inputs "
+                                                       "(float16, bfloat16, float32).")] = None,
+        profile: Annotated[bool, typer.Option("--profile", help="Attribute run time to each op and estimate "
+                                                                "the end-to-end speedup (Amdahl).")] = False,
+        write_manifest: Annotated[Path | None, typer.Option("--write-manifest", help="Write the matched ops "
+                                                            "and shapes as a manifest for forge search.")] = None,
+        verify: Annotated[bool, typer.Option("--verify", help="Run with the cached kernels swapped in and "
+                                                              "compare with eager end to end.")] = False,
+        json_out: cli.JsonOpt = False,
+        cache: cli.CacheOpt = None,
+    ) -> None:
+        """List every op in a model/function with its shapes and whether forge can tune it (and why not)."""
+        from forge_cli import engine, manifest, tracecmd
+
+        try:
+            if dtype is not None and dtype not in ("float16", "bfloat16", "float32"):
+                raise UsageError(f"--dtype {dtype!r}: expected float16, bfloat16 or float32")
+            backend = engine.resolve_backend(device)
+            dev = "cuda" if backend == "cuda" else "cpu"
+            tgt = tracecmd.load_target(target, input_ or [], dev, dtype)
+            result = tracecmd.trace(tgt, dev)
+            db = cli._open_cache(cache)
+            tracecmd.annotate_with_cache(result, db, backend)
+            prof = tracecmd.profile(result) if profile else None
+            ver = tracecmd.verify(result, db, backend) if verify else None
+            if write_manifest is not None:
+                entries = tracecmd.manifest_entries(result.regions)
+                if not entries:
+                    raise UsageError("no tunable op found: nothing to write")
+                write_manifest.write_text(manifest.dumps(entries, {"device": dev}))
+        except ForgeError as exc:
+            raise cli._fail(exc, exc.exit_code) from None
+        doc = {
+            "target": tgt.description,
+            "regions": [{"index": r.index, "op": r.op, "node": r.root.name,
+                         "shape": list(r.shape) if r.shape else None, "dtype": r.dtype, "attrs": r.attrs,
+                         "tunable": r.unsupported is None, "reason": r.unsupported, "cached": r.decision,
+                         "speedup": r.speedup, "us": r.seconds * 1e6 if profile else None} for r in result.regions],
+            "unmatched": [{"node": u.node.name, "call": u.call, "shape": list(u.shape), "reason": u.reason,
+                           "us": u.seconds * 1e6 if profile else None} for u in result.unmatched],
+            "profile": prof, "verify": ver,
+            "manifest": str(write_manifest) if write_manifest else None,
+        }
+        if json_out:
+            print(json.dumps(doc, indent=2, default=str))
+        else:
+            _print(cli, doc)
+        if ver is not None and not ver["ok"]:
+            raise typer.Exit(ExitCode.INTERNAL)
+
+    def _print(cli, doc) -> None:
+        t = Table(title=f"forge trace {doc['target']}")
+        for col in ("#", "op", "node", "shape", "dtype", "attrs", "tunable", "cached", "µs"):
+            t.add_column(col, justify="right" if col == "µs" else "left")
+        for r in doc["regions"]:
+            tun = "[green]yes[/]" if r["tunable"] else f"[yellow]no[/]: {r['reason']}"
+            cached = "-" if r["cached"] is None else (
+                f"{r['cached']} {r['speedup']:.2f}x" if r["cached"] == "kernel" else r["cached"])
+            t.add_row(str(r["index"]), r["op"], r["node"], "x".join(map(str, r["shape"] or [])) or "?",
+                      r["dtype"] or "?", json.dumps(r["attrs"]), tun, cached,
+                      cli._fmt_us(r["us"]) if r["us"] is not None else "")
+        cli.out.print(t)
+        if doc["unmatched"]:
+            u = Table(title="not matched by any op family")
+            for col in ("node", "call", "shape", "why", "µs"):
+                u.add_column(col)
+            for x in doc["unmatched"]:
+                u.add_row(x["node"], x["call"], "x".join(map(str, x["shape"])), x["reason"][:100],
+                          cli._fmt_us(x["us"]) if x["us"] is not None else "")
+            cli.out.print(u)
+        p = doc["profile"]
+        if p:
+            est = p["amdahl_speedup"]
+            cli.out.print(f"profile ({p['clock']}, {p['iters']} runs): {p['total_us']:.1f} µs per run, "
+                          f"{p['covered_fraction'] * 100:.1f}% in matched ops; estimated end-to-end speedup "
+                          f"with the cached kernels (Amdahl): {est:.2f}x" if est else "no time recorded")
+        v = doc["verify"]
+        if v:
+            verdict = "[green]match[/]" if v["ok"] else "[red]MISMATCH[/]"
+            cli.out.print(f"verify: {verdict} — {v['swapped']} region(s) swapped; relative error {v['rel_error']:.3g} "
+                          f"(tolerance {v['tolerance']:g} for {v['dtype']}); eager {v['eager_us']:.1f} µs, "
+                          f"forge {v['forge_us']:.1f} µs per call ({v['speedup']:.2f}x, {v['clock']})")
+        if doc["manifest"]:
+            cli.out.print(f"wrote {doc['manifest']}")

@@ -1,0 +1,165 @@
+"""`forge trace`: KernelBench problem files and FILE.py:function targets, region matching with reasons
+for what does not match, --write-manifest (round trip through the manifest parser), --profile (time
+attribution and the Amdahl estimate) and --verify (cached kernels swapped in, compared end to end)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from forge_cli import cli, manifest, stats, tracecmd
+
+runner = CliRunner()
+
+PROBLEM = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        r = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        return torch.softmax(r, dim=-1).cumsum(-1)
+
+
+def get_inputs():
+    return [torch.randn(6, 40)]
+
+
+def get_init_inputs():
+    return [40]
+'''
+
+FUNCS = '''
+import torch
+
+
+def rms(x, w):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+
+def branchy(x):
+    if x.sum() > 0:
+        return x
+    return -x
+'''
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "problem.py").write_text(textwrap.dedent(PROBLEM))
+    (tmp_path / "funcs.py").write_text(textwrap.dedent(FUNCS))
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    return tmp_path
+
+
+def _trace(*args):
+    res = runner.invoke(cli.app, ["trace", *map(str, args), "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_problem_file_regions_and_unmatched(files):
+    doc = _trace(files / "problem.py")
+    assert [(r["op"], r["shape"], r["dtype"], r["tunable"]) for r in doc["regions"]] == [
+        ("rmsnorm", [6, 40], "float32", True), ("softmax", [6, 40], "float32", True)]
+    assert doc["regions"][0]["attrs"] == {"eps": 1e-6}
+    assert [u["call"] for u in doc["unmatched"]] == ["method cumsum"]
+    assert "no op family matches" in doc["unmatched"][0]["reason"]
+
+
+def test_function_with_inputs_and_dtype(files):
+    doc = _trace(f"{files / 'funcs.py'}:rms", "--input", "3x33:float16", "--input", "33:float16")
+    assert [(r["op"], r["shape"], r["dtype"], r["attrs"]) for r in doc["regions"]] == [
+        ("rmsnorm", [3, 33], "float16", {"eps": 1e-5})]
+    doc = _trace(files / "problem.py", "--dtype", "bfloat16")
+    assert {r["dtype"] for r in doc["regions"]} == {"bfloat16"}
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["nosuch.py"], "no such file"),
+    (["empty.py"], "Model is missing"),
+    (["funcs.py:rms", "--input", "3xq"], "--input '3xq'"),
+    (["funcs.py:rms"], "give the function's inputs with --input"),
+    (["funcs.py:nope", "--input", "3x4"], "no function 'nope'"),
+    (["funcs.py:branchy", "--input", "3x4"], "cannot trace"),
+    (["problem.py", "--input", "3x4"], "--input is for FILE.py:function"),
+])
+def test_bad_targets_exit_2_with_a_reason(files, args, needle):
+    args = [str(files / args[0]), *args[1:]]
+    res = runner.invoke(cli.app, ["trace", *args, "--device", "cpu"])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+
+
+def test_write_manifest_round_trips(files, tmp_path):
+    out = tmp_path / "forge.toml"
+    doc = _trace(files / "problem.py", "--write-manifest", out)
+    assert doc["manifest"] == str(out)
+    m = manifest.load(out, env={})
+    assert m.device == "cpu"
+    assert [j.label for j in m.jobs] == ["rmsnorm 6x40 float32 eps=1e-06", "softmax 6x40 float32 dim=-1"]
+
+
+def test_profile_attributes_time_and_estimates_with_amdahl(files):
+    tgt = tracecmd.load_target(str(files / "problem.py"), [], "cpu")
+    result = tracecmd.trace(tgt, "cpu")
+    result.regions[0].speedup, result.regions[1].speedup = 4.0, 1.0
+    p = tracecmd.profile(result, iters=3)
+    assert p["total_us"] > 0 and 0 < p["covered_fraction"] <= 1
+    assert all(r.seconds > 0 for r in result.regions) and result.unmatched[0].seconds > 0
+    total = p["total_us"]
+    f0, f1 = (r.seconds * 1e6 / total for r in result.regions)
+    assert p["covered_fraction"] == pytest.approx(f0 + f1)
+    assert p["amdahl_speedup"] == pytest.approx(1 / ((1 - f0 - f1) + f0 / 4 + f1))
+    assert p["amdahl_speedup"] > 1
+
+
+@pytest.mark.slow
+def test_verify_swaps_cached_kernels_and_compares(files, tmp_path, monkeypatch):
+    monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)  # the interpreter never beats eager
+    out = tmp_path / "forge.toml"
+    _trace(files / "problem.py", "--write-manifest", out)
+    res = runner.invoke(cli.app, ["search", "--manifest", str(out), "--budget", "1", "--workers", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = _trace(files / "problem.py", "--verify")
+    v = doc["verify"]
+    assert v["ok"] and v["swapped"] == 2 and v["rel_error"] < 1e-5, v
+    assert [r["cached"] for r in doc["regions"]] == ["kernel", "kernel"]
+    # A kernel that returned wrong values would be caught end to end (exit 1, MISMATCH).
+    import forge
+
+    real = forge.load
+    monkeypatch.setattr(forge, "load", lambda *a, **k: (lambda *t: real(*a, **k)(*t) * 1.5))
+    res = runner.invoke(cli.app, ["trace", str(files / "problem.py"), "--device", "cpu", "--verify"])
+    assert res.exit_code == 1 and "MISMATCH" in res.output
+
+
+def test_verify_without_cached_kernels_runs_eager(files):
+    doc = _trace(files / "problem.py", "--verify")
+    v = doc["verify"]
+    assert v["ok"] and v["swapped"] == 0 and v["rel_error"] == 0.0
+    assert all(s.startswith("eager") for s in v["regions"].values())
+
+
+def test_regions_cut_at_shared_values_and_direct_inputs():
+    import torch.nn.functional as F
+
+    from forge.trace import TraceGraph
+
+    def f(x, w):
+        h = F.gelu(F.layer_norm(x, (x.shape[-1],), w))
+        return torch.softmax(h * 2.0, -1)
+
+    g = TraceGraph(f, (torch.randn(4, 16), torch.randn(16)), {})
+    regions, unmatched = tracecmd.find_regions(g, "cpu")
+    assert [r.op for r in regions] == ["layer_norm", "gelu", "softmax"]
+    assert [u.call for u in unmatched] == ["function mul"]
