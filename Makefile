@@ -8,13 +8,19 @@ PY    := $(VENV)/bin/python
 # pass a CUDA build, e.g. `make demo TORCH='torch==2.11.*'`.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.forge-installed
+TEST_STAMP := $(VENV)/.forge-test-installed
 
 .PHONY: demo test test-triton36 lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q '$(TORCH)'
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# The tests also need the dev tools and Ray (the --executor ray tests start a local Ray).
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	touch $@
 
 demo: $(STAMP)
@@ -25,7 +31,7 @@ demo: $(STAMP)
 	  $(VENV)/bin/forge search rmsnorm --shape 64x1000 --dtype float16 --budget 12 --device cpu; \
 	fi
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint

@@ -1,8 +1,20 @@
-"""Tuning a manifest's jobs in one run: one worker pool for all of them, one result per job, and a
-failure in one job recorded against it while the others go on."""
+"""Tuning a manifest's jobs in one run: one result per job, a failure in one job recorded against it
+while the others go on. Three ways to run them:
+
+  local     one worker pool for all jobs, one after another (the default);
+  devices   --devices 0,1,...: one runner per GPU of this host, each taking the next job from a shared
+            queue with its own worker pool pinned to its GPU (CUDA_VISIBLE_DEVICES), so every
+            candidate of a spec is validated and timed on one GPU, and no two specs share a GPU;
+  ray       --executor ray: each job is a Ray task (num_gpus=1 on CUDA) that searches into a
+            throw-away cache on whichever node runs it; the driver merges the entries into its cache.
+"""
 
 from __future__ import annotations
 
+import os
+import queue
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -10,7 +22,7 @@ from typing import Any
 
 from forge.cache import Cache, CacheError
 from forge_cli import engine
-from forge_cli.errors import ExitCode, ForgeError
+from forge_cli.errors import ExitCode, ForgeError, UsageError
 from forge_cli.manifest import Job
 
 
@@ -31,13 +43,23 @@ class JobResult:
     seconds: float = 0.0
     error: str | None = None
     exit_code: int = 0
+    device: int | str | None = None  # the GPU index (devices) or Ray node (ray) that ran it
+    started: float | None = None  # epoch seconds, for checking that jobs on one device never overlap
+    finished: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def run(jobs: list[Job], *, cache: Cache, device: str | None, workers: int | None, force: bool = False,
-        on_start: Callable[[int, Job], None] | None = None, events: engine.Events | None = None) -> list[JobResult]:
+        on_start: Callable[[int, Job], None] | None = None, events: engine.Events | None = None,
+        devices: list[int] | None = None, executor: str = "local", address: str | None = None) -> list[JobResult]:
+    if executor == "ray":
+        return _run_ray(jobs, cache, device, workers, force, address, on_start)
+    if executor != "local":
+        raise UsageError(f"unknown executor {executor!r}; expected local or ray")
+    if devices:
+        return _run_devices(jobs, cache, device, workers, force, devices, on_start)
     results = []
     with engine.Pools() as pools:
         for n, job in enumerate(jobs):
@@ -47,21 +69,167 @@ def run(jobs: list[Job], *, cache: Cache, device: str | None, workers: int | Non
     return results
 
 
-def _one(job: Job, cache: Cache, device, workers, force, events, pools) -> JobResult:
+def parse_devices(text: str) -> list[int]:
+    try:
+        devs = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise UsageError(f"--devices expects GPU indices like 0,1,2, got {text!r}") from None
+    if not devs or any(d < 0 for d in devs) or len(set(devs)) != len(devs):
+        raise UsageError(f"--devices expects distinct GPU indices like 0,1,2, got {text!r}")
+    return devs
+
+
+def _run_devices(jobs, cache: Cache, device, workers, force, devices: list[int], on_start) -> list[JobResult]:
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available() and max(devices) >= torch.cuda.device_count():
+        raise UsageError(f"--devices {','.join(map(str, devices))}: only {torch.cuda.device_count()} GPU(s) visible")
+    todo: queue.Queue = queue.Queue()
+    for n, job in enumerate(jobs):
+        todo.put((n, job))
+    results: dict[int, JobResult] = {}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def runner(dev: int) -> None:
+        db = Cache(cache.path)  # one SQLite connection per thread
+        try:
+            with engine.Pools() as pools:
+                while True:
+                    try:
+                        n, job = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    if on_start is not None:
+                        with lock:
+                            on_start(n, job)
+                    res = _one(job, db, device, workers, force, None, pools, gpu=dev)
+                    res.device = dev
+                    with lock:
+                        results[n] = res
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
+            errors.append(exc)
+        finally:
+            db.close()
+
+    threads = [threading.Thread(target=runner, args=(d,), name=f"forge-gpu{d}") for d in devices]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[n] for n in sorted(results)]
+
+
+def _result_from_entry(job: Job, entry) -> JobResult:
+    res = JobResult(entry=job.entry, op=job.op, shape="x".join(map(str, job.shape)), dtype=job.dtype,
+                    attrs=job.attrs, status="cached", decision=entry.decision, key=entry.key)
+    if entry.decision == "kernel":
+        res.winner = f"{entry.variant}({', '.join(f'{k}={v}' for k, v in (entry.params or {}).items())})"
+        res.p50_us = (entry.winner or {}).get("p50")
+    res.eager_p50_us = (entry.baseline or {}).get("p50")
+    res.speedup = entry.speedup
+    return res
+
+
+def _ray_job(job_d: dict, device, workers, force, known: dict) -> tuple[dict, dict | None]:
+    """Runs inside a Ray worker: search into a throw-away cache, return the result and the entry."""
+    from dataclasses import asdict as _asdict
+
+    job = Job(**{**job_d, "shape": tuple(job_d["shape"])})
+    backend = engine.resolve_backend(device)
+    _, key = engine.spec_key(job.op, job.shape, job.dtype, backend, job.attrs)
+    if key in known and not force:
+        return {"status": "cached", "key": key}, None
+    with tempfile.TemporaryDirectory(prefix="forge-ray-") as d:
+        db = Cache(os.path.join(d, "forge.db"))
+        try:
+            with engine.Pools() as pools:
+                res = _one(job, db, device, workers, True, None, pools)
+            entry = db.get(res.key) if res.key else None
+        finally:
+            db.close()
+    import socket
+
+    res.device = socket.gethostname() + (f" CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}"
+                                         if backend == "cuda" else "")
+    return res.to_dict(), (_asdict(entry) if entry is not None else None)
+
+
+def _run_ray(jobs, cache: Cache, device, workers, force, address, on_start) -> list[JobResult]:
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--executor ray needs Ray: pip install 'forge-kernel[ray]'") from None
+    from dataclasses import asdict as _asdict
+
+    from forge.cache import Entry
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    started_here = not ray.is_initialized()
+    if started_here:
+        # Workers import forge from where this process did (a source tree or an install).
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        for var in ("FORGE_LOCK_DIR", "TRITON_INTERPRET"):
+            if os.environ.get(var):
+                env[var] = os.environ[var]
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False,
+                 include_dashboard=False, **({"num_cpus": os.cpu_count() or 1} if address is None else {}))
+    try:
+        known = {e.key: True for e in cache.entries()}
+        on_cuda = device != "cpu"
+        task = ray.remote(num_gpus=1 if on_cuda else 0, num_cpus=1)(_ray_job)
+        refs = {}
+        for n, job in enumerate(jobs):
+            if on_start is not None:
+                on_start(n, job)
+            refs[task.remote(_asdict(job), device, workers, force, known)] = n
+        results: dict[int, JobResult] = {}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            n = refs[done[0]]
+            job = jobs[n]
+            try:
+                res_d, entry_d = ray.get(done[0])
+            except ray.exceptions.RayError as exc:
+                results[n] = JobResult(entry=job.entry, op=job.op, shape="x".join(map(str, job.shape)),
+                                       dtype=job.dtype, attrs=job.attrs, status="failed",
+                                       error=f"Ray task failed: {str(exc).splitlines()[0]}",
+                                       exit_code=int(ExitCode.ENVIRONMENT))
+                continue
+            if res_d.get("status") == "cached" and entry_d is None:
+                entry = cache.get(res_d["key"])
+                results[n] = _result_from_entry(job, entry)
+                continue
+            if entry_d is not None:
+                cache.put(Entry(**entry_d))
+            results[n] = JobResult(**res_d)
+        return [results[n] for n in sorted(results)]
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _one(job: Job, cache: Cache, device, workers, force, events, pools, gpu: int | None = None) -> JobResult:
     base = JobResult(entry=job.entry, op=job.op, shape="x".join(map(str, job.shape)), dtype=job.dtype,
-                     attrs=job.attrs, status="failed")
+                     attrs=job.attrs, status="failed", started=time.time())
     t0 = time.monotonic()
     opts = engine.SearchOptions(budget=job.budget, strategy=job.strategy, seed=job.seed, force=force,
                                 timeout=job.timeout, workers=workers)
     try:
         rep = engine.search(job.op, job.shape, job.dtype, device=device, cache=cache, attrs=job.attrs,
-                            options=opts, events=events, pools=pools)
+                            options=opts, events=events, pools=pools, gpu=gpu)
     except ForgeError as exc:  # this job cannot be done (no GPU, a worker that cannot start ...)
         base.error, base.exit_code, base.seconds = str(exc), int(exc.exit_code), time.monotonic() - t0
+        base.finished = time.time()
         return base
     except CacheError as exc:
         base.error, base.exit_code, base.seconds = str(exc), int(ExitCode.CACHE), time.monotonic() - t0
+        base.finished = time.time()
         return base
+    base.finished = time.time()
     base.key, base.decision, base.seconds = rep.key, rep.decision, time.monotonic() - t0
     base.status = "cached" if rep.cache_hit else "searched"
     if rep.winner:

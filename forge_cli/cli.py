@@ -203,6 +203,12 @@ def search(
     attr: Annotated[list[str] | None, typer.Option("--attr", help="Scalar attribute NAME=VALUE, "
                                                                   "e.g. --attr eps=1e-5.")] = None,
     top: Annotated[int, typer.Option(help="Rows of ok candidates to show.")] = 10,
+    devices: Annotated[str | None, typer.Option("--devices", help="With --manifest: GPUs of this host to "
+                                                "spread the entries over, e.g. 0,1 (one runner per GPU).")] = None,
+    executor: Annotated[str, typer.Option(help="With --manifest: local, or ray (each entry a Ray task; "
+                                               "pip install 'forge-kernel[ray]').")] = "local",
+    address: Annotated[str | None, typer.Option(help="With --executor ray: the cluster address "
+                                                     "[default: start a local Ray].")] = None,
 ) -> None:
     """Search for the fastest correct kernel for OP at --shape (or for every entry of --manifest),
     against eager PyTorch. Settings: command line > FORGE_* environment > manifest > built-in."""
@@ -215,10 +221,12 @@ def search(
         if manifest is not None:
             if op is not None or shape is not None or attr:
                 raise UsageError("--manifest replaces OP, --shape and --attr; give either a manifest or one op")
-            _search_manifest(manifest, shard, cli, force, json_out)
+            _search_manifest(manifest, shard, cli, force, json_out, devices, executor, address)
             return
-        if shard is not None:
-            raise UsageError("--shard needs --manifest")
+        for flag, value in (("--shard", shard), ("--devices", devices), ("--address", address),
+                            ("--executor", None if executor == "local" else executor)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --manifest")
         if op is None or shape is None:
             raise UsageError("give OP and --shape (e.g. forge search rmsnorm --shape 2048x4096), or --manifest FILE")
         try:
@@ -249,9 +257,17 @@ def search(
         raise typer.Exit(ExitCode.ALL_FAILED)
 
 
-def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json_out: bool) -> None:
+def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json_out: bool,
+                     devices: str | None = None, executor: str = "local", address: str | None = None) -> None:
     from forge_cli import batch
 
+    if executor not in ("local", "ray"):
+        raise UsageError(f"--executor {executor!r}: expected local or ray")
+    if address is not None and executor != "ray":
+        raise UsageError("--address needs --executor ray")
+    if devices is not None and executor == "ray":
+        raise UsageError("--devices is for the local executor; Ray places each job on a GPU itself")
+    device_list = batch.parse_devices(devices) if devices is not None else None
     m = manifest_mod.load(path, cli=cli)
     jobs = m.jobs
     part = None
@@ -259,7 +275,7 @@ def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json
         part = manifest_mod.parse_shard(shard)
         jobs = manifest_mod.shard(jobs, *part)
     db = _open_cache(m.cache)
-    show_progress = not json_out and err.is_terminal
+    show_progress = not json_out and err.is_terminal and device_list is None and executor == "local"
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, disable=not show_progress) as progress:
         events = _ProgressEvents(progress)
@@ -271,25 +287,32 @@ def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json
             elif not json_out:
                 err.print(label)
 
+        t_run = time.monotonic()
         results = batch.run(jobs, cache=db, device=m.device, workers=m.workers, force=force,
-                            on_start=on_start, events=events)
+                            on_start=on_start, events=events, devices=device_list, executor=executor,
+                            address=address)
+        wall = time.monotonic() - t_run
     failed = [r for r in results if r.status == "failed"]
     if json_out:
         print(json.dumps({"manifest": str(path), "shard": list(part) if part else None, "cache": str(db.path),
+                          "executor": executor, "devices": device_list, "wall_s": wall,
                           "jobs": len(jobs), "total_jobs": len(m.jobs), "failed": len(failed),
                           "entries": [r.to_dict() for r in results]}, indent=2))
     else:
         title = f"{path}" + (f" — shard {part[0]}/{part[1]}: {len(jobs)} of {len(m.jobs)} jobs" if part else "")
         table = Table(title=title)
-        for col in ("entry", "op", "shape", "dtype", "status", "decision", "winner", "p50 µs", "eager µs",
-                    "speedup", "s"):
+        spread = device_list is not None or executor == "ray"
+        cols = ["entry", "op", "shape", "dtype", "status", "decision", "winner", "p50 µs", "eager µs", "speedup",
+                "s"] + (["device"] if spread else [])
+        for col in cols:
             table.add_column(col, justify="right" if col in ("p50 µs", "eager µs", "speedup", "s") else "left")
         for r in results:
             status = {"failed": "[red]failed[/]", "cached": "cached", "searched": "[green]searched[/]"}[r.status]
             table.add_row(str(r.entry), r.op, r.shape, r.dtype, status, r.decision or "-", r.winner or "-",
-                          _fmt_us(r.p50_us), _fmt_us(r.eager_p50_us), _fmt_speedup(r.speedup), f"{r.seconds:.1f}")
+                          _fmt_us(r.p50_us), _fmt_us(r.eager_p50_us), _fmt_speedup(r.speedup), f"{r.seconds:.1f}",
+                          *([escape(str(r.device)) if r.device is not None else "-"] if spread else []))
         out.print(table)
-        out.print(f"cache: {db.path}")
+        out.print(f"cache: {db.path}; wall time {wall:.1f} s")
         for r in failed:
             err.print(f"[bold red]failed:[/] {escape(f'[[op]] #{r.entry} {r.op} {r.shape} {r.dtype}: {r.error}')}")
     if failed:

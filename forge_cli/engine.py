@@ -179,14 +179,23 @@ def build_spec(op_name: str, shape: tuple[int, ...], dtype: str, backend: str,
     return op, spec
 
 
-def _device_id(env: dict[str, Any]) -> str:
+def spec_key(op_name: str, shape: tuple[int, ...], dtype: str, backend: str,
+             attrs: dict[str, Any] | None = None, gpu: int = 0) -> tuple[KernelSpec, str]:
+    """The spec and cache key a search for these arguments would use on this machine."""
+    op, spec = build_spec(op_name, shape, dtype, backend, attrs)
+    env = {**collect_env(backend, gpu if backend == "cuda" else 0), "templates": op.template_hash}
+    return spec, cache_key(spec, env)
+
+
+def _device_id(env: dict[str, Any], gpu: int | None = None) -> str:
     if env["backend"] != "cuda":
-        return "interpreter"
+        return "interpreter" if gpu is None else f"interpreter-lane-{gpu}"
     import torch
 
-    props = torch.cuda.get_device_properties(0)
+    index = 0 if gpu is None else gpu
+    props = torch.cuda.get_device_properties(index)
     uuid = getattr(props, "uuid", None)
-    return f"cuda-{uuid}" if uuid is not None else f"cuda-0-{env['gpu']}"
+    return f"cuda-{uuid}" if uuid is not None else f"cuda-{index}-{env['gpu']}"
 
 
 class Pools:
@@ -194,16 +203,16 @@ class Pools:
     (5.5 s for 8 workers on the H200 machine) is paid once, not once per entry."""
 
     def __init__(self) -> None:
-        self._pools: dict[tuple[str, int], tuple[Pool, Path]] = {}
+        self._pools: dict[tuple, tuple[Pool, Path]] = {}
 
-    def get(self, backend: str, size: int, setup: dict) -> Pool:
-        key = (backend, size)
+    def get(self, backend: str, size: int, setup: dict, gpu: int | None = None) -> Pool:
+        key = (backend, size, gpu)
         if key in self._pools:
             pool = self._pools[key][0]
             pool.reconfigure(setup)
             return pool
         log_dir = Path(tempfile.mkdtemp(prefix="forge-workers-"))
-        pool = Pool(backend, size, log_dir, setup)
+        pool = Pool(backend, size, log_dir, setup, gpu=gpu)
         self._pools[key] = (pool, log_dir)
         return pool.start()
 
@@ -222,7 +231,9 @@ class Pools:
 
 def search(op_name: str, shape: tuple[int, ...], dtype: str, *, device: str | None, cache: Cache,
            attrs: dict[str, Any] | None = None, options: SearchOptions | None = None,
-           events: Events | None = None, pools: Pools | None = None) -> SearchReport:
+           events: Events | None = None, pools: Pools | None = None, gpu: int | None = None) -> SearchReport:
+    """Search (or find in the cache) the kernel decision for one spec. gpu: the device index to
+    validate and time on (its workers see only it, as cuda:0); None = the default device."""
     opts = options or SearchOptions()
     if opts.budget < 1:
         raise UsageError("--budget must be at least 1")
@@ -230,21 +241,21 @@ def search(op_name: str, shape: tuple[int, ...], dtype: str, *, device: str | No
     t0 = time.monotonic()
     backend = resolve_backend(device)
     op, spec = build_spec(op_name, shape, dtype, backend, attrs)
-    env = {**collect_env(backend), "templates": op.template_hash}
+    env = {**collect_env(backend, 0 if gpu is None or backend != "cuda" else gpu), "templates": op.template_hash}
     key = cache_key(spec, env)
 
     if not opts.force and (entry := cache.get(key)) is not None:
         return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
 
-    with device_lock(_device_id(env), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
+    with device_lock(_device_id(env, gpu), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
         # Another process may have decided this key while we waited for the device.
         if not opts.force and (entry := cache.get(key)) is not None:
             return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
-        return _search_locked(op, spec, env, key, backend, cache, opts, emit, t0, pools)
+        return _search_locked(op, spec, env, key, backend, cache, opts, emit, t0, pools, gpu)
 
 
 def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit: Events,
-                   t0: float, pools: Pools | None = None) -> SearchReport:
+                   t0: float, pools: Pools | None = None, gpu: int | None = None) -> SearchReport:
     space = op.module.space(spec)
     first = op.module.default(spec)
     strat = strategy.make(opts.strategy, opts.seed, first if first in space else None)
@@ -266,7 +277,8 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
         phases[phase] += now - mark
         mark = now
 
-    pool = pools.get(backend, size, setup) if pools is not None else Pool(backend, size, log_dir, setup).start()
+    pool = (pools.get(backend, size, setup, gpu) if pools is not None
+            else Pool(backend, size, log_dir, setup, gpu=gpu).start())
     lap("startup")
     try:
         while len(results) < opts.budget:

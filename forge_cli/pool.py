@@ -59,6 +59,18 @@ def _describe_exit(code: int | None) -> str:
 _ROOT = Path(__file__).resolve().parent.parent  # the directory holding forge/ and forge_cli/
 
 
+def worker_env(base, gpu: int | None) -> dict[str, str]:
+    env = dict(base)
+    # The worker imports forge from wherever this process did (installed, or a source tree).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    if gpu is not None:
+        # gpu is an index into the parent's view of the GPUs, so it composes with an outer
+        # CUDA_VISIBLE_DEVICES (a Slurm allocation, Ray) instead of overriding it.
+        outer = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = outer[gpu] if gpu < len(outer) else str(gpu)
+    return env
+
+
 class _Proc:
     """subprocess.Popen with the few multiprocessing.Process methods the pool uses."""
 
@@ -96,8 +108,9 @@ class Worker:
 
 
 class Pool:
-    def __init__(self, backend: str, size: int, log_dir: Path, setup: dict):
+    def __init__(self, backend: str, size: int, log_dir: Path, setup: dict, gpu: int | None = None):
         self.backend = backend
+        self.gpu = gpu  # workers see only this GPU (as cuda:0); None: whatever the parent sees
         self.size = max(1, size)
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -112,9 +125,7 @@ class Pool:
         log = self.log_dir / f"worker-{self._serial}.log"
         parent_conn, child_conn = Pipe()
         fd = child_conn.fileno()
-        env = dict(os.environ)
-        # The worker imports forge from wherever this process did (installed, or a source tree).
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+        env = worker_env(os.environ, self.gpu)
         # The worker's stdout/stderr (incl. C-level output: a segfault message, Triton's compiler)
         # go to a log file the parent reads when the worker dies.
         with open(log, "ab") as logf:
