@@ -412,6 +412,65 @@ class Cache:
         with self._use() as conn, _transaction(conn):
             return conn.execute("DELETE FROM entries").rowcount
 
+    # -- bundles (forge cache import / merge / prune) ----------------------------------------------
+
+    def put_newer(self, entries: list[Entry]) -> list[str]:
+        """Store each entry unless the cache already holds one under its key that is at least as new
+        (created_at); one transaction for all, in order. Returns "added" | "replaced" | "kept" per entry.
+
+        Ties keep the stored entry, so importing the same entries twice changes nothing."""
+        for entry in entries:
+            _check_entry(entry)
+        rows = [tuple(_encode_json(getattr(e, name)) if name in _JSON_COLUMNS else getattr(e, name)
+                      for name in _COLUMNS) for e in entries]
+        outcome: list[str] = []
+        with self._use() as conn, _transaction(conn):
+            for entry, row in zip(entries, rows, strict=True):
+                found = conn.execute("SELECT created_at FROM entries WHERE key = ?", (entry.key,)).fetchone()
+                if found is not None and (found[0] or 0.0) >= entry.created_at:
+                    outcome.append("kept")
+                    continue
+                conn.execute(_INSERT, row)
+                outcome.append("added" if found is None else "replaced")
+        return outcome
+
+    def delete_keys(self, keys: list[str]) -> int:
+        """Delete the entries stored under exactly these keys (one transaction); returns rows deleted."""
+        with self._use() as conn, _transaction(conn):
+            return sum(conn.execute("DELETE FROM entries WHERE key = ?", (key,)).rowcount for key in keys)
+
+    @classmethod
+    def open_read_only(cls, path: str | os.PathLike[str], *, busy_timeout_s: float = 60.0) -> Cache:
+        """An existing cache file opened read-only (never created, converted or written): the source
+        side of `forge cache merge`. Reading methods work; writing ones raise CacheError."""
+        self = cls.__new__(cls)
+        self.path = Path(path).expanduser()
+        self._busy_timeout_s = busy_timeout_s
+        self._lock = threading.Lock()
+        self._conn = None
+        if not self.path.is_file():
+            raise CacheError(f"forge cache {self.path} does not exist (or is not a file)")
+        try:
+            self._conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
+                                         timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise _translate(self.path, exc, busy_timeout_s) from exc
+        try:
+            with self._use() as conn:
+                has_version_table = conn.execute(
+                    "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+                ).fetchone()[0]
+                if not has_version_table:
+                    raise CacheError(f"{self.path} is not a forge cache (no schema_version table)")
+                rows = conn.execute("SELECT version FROM schema_version").fetchall()
+            if len(rows) != 1 or rows[0][0] != SCHEMA_VERSION:
+                raise CacheError(f"forge cache {self.path} has schema version "
+                                 f"{rows[0][0] if len(rows) == 1 else rows!r}; this forge reads {SCHEMA_VERSION}")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -387,6 +387,8 @@ def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=
         raise LookupError(f"{op} {shape} {dtype}: the cached decision is eager (no kernel beat it)")
     if not _intact(entry):
         raise LookupError(f"{op} {shape} {dtype}: cached source does not match its sha256")
+    if entry.env != env:  # the key already covers the environment; this guards an entry stored under a wrong key
+        raise LookupError(f"{op} {shape} {dtype}: cached entry was made for another environment")
     module = _load_kernel(entry, db)
     binding = _Binding(fam.module, module, spec, list(range(len(spec.inputs))), (None,) * len(spec.inputs),
                        spec.attrs, device_index=_device_index(device) if backend == "cuda" else None)

@@ -41,13 +41,13 @@ app.add_typer(cache_app, name="cache")
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 
-CacheOpt = Annotated[Path | None, typer.Option("--cache", help="Cache DB [default: $FORGE_CACHE_DIR/forge.db "
-                                                               "or ~/.cache/forge/forge.db].")]
+CacheOpt = Annotated[Path | None, typer.Option("--cache", help="Cache DB (default: $FORGE_CACHE_DIR/forge.db "
+                                                               "or ~/.cache/forge/forge.db).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else.")]
 
 
 def _fail(exc: Exception, code: int) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {exc}")
+    err.print(f"[bold red]error:[/] {escape(str(exc))}")  # messages hold [[op]], forge-kernel[ray] ...
     return typer.Exit(code)
 
 
@@ -187,19 +187,19 @@ def search(
                                                                      "(see docs/manifest.md).")] = None,
     shard: Annotated[str | None, typer.Option("--shard", help="With --manifest: only shard I of N, "
                                                               "written I/N with 0 <= I < N.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float16, bfloat16 or float32 [default: float16].")] = None,
-    budget: Annotated[int | None, typer.Option(help="Maximum number of candidates [default: 50].")] = None,
-    strategy: Annotated[str | None, typer.Option(help="grid or random [default: grid].")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float16, bfloat16 or float32 (default: float16).")] = None,
+    budget: Annotated[int | None, typer.Option(help="Maximum number of candidates (default: 50).")] = None,
+    strategy: Annotated[str | None, typer.Option(help="grid or random (default: grid).")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed for --strategy random and the test inputs "
-                                                  "[default: 0].")] = None,
+                                                  "(default: 0).")] = None,
     device: Annotated[str | None, typer.Option(help="cuda or cpu (Triton interpreter) "
-                                                    "[default: cuda if available, else cpu].")] = None,
+                                                    "(default: cuda if available, else cpu).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Search even if a decision is cached.")] = False,
     json_out: JsonOpt = False,
     cache: CacheOpt = None,
     timeout: Annotated[float | None, typer.Option(help="Seconds per candidate before its worker is killed "
-                                                       "[default: 120].")] = None,
-    workers: Annotated[int | None, typer.Option(help="Worker processes [default: by backend].")] = None,
+                                                       "(default: 120).")] = None,
+    workers: Annotated[int | None, typer.Option(help="Worker processes (default: by backend).")] = None,
     attr: Annotated[list[str] | None, typer.Option("--attr", help="Scalar attribute NAME=VALUE, "
                                                                   "e.g. --attr eps=1e-5.")] = None,
     top: Annotated[int, typer.Option(help="Rows of ok candidates to show.")] = 10,
@@ -208,7 +208,7 @@ def search(
     executor: Annotated[str, typer.Option(help="With --manifest: local, or ray (each entry a Ray task; "
                                                "pip install 'forge-kernel[ray]').")] = "local",
     address: Annotated[str | None, typer.Option(help="With --executor ray: the cluster address "
-                                                     "[default: start a local Ray].")] = None,
+                                                     "(default: start a local Ray).")] = None,
 ) -> None:
     """Search for the fastest correct kernel for OP at --shape (or for every entry of --manifest),
     against eager PyTorch. Settings: command line > FORGE_* environment > manifest > built-in."""

@@ -19,7 +19,7 @@ def register(app: typer.Typer, cache_app: typer.Typer) -> None:
                                                    "or FILE.py:function.")],
         input_: Annotated[list[str] | None, typer.Option("--input", help="For FILE.py:function: one input "
                                                          "SHAPE[:DTYPE] per argument, e.g. 2048x4096:float16.")] = None,
-        device: Annotated[str | None, typer.Option(help="cuda or cpu [default: cuda if available].")] = None,
+        device: Annotated[str | None, typer.Option(help="cuda or cpu (default: cuda if available).")] = None,
         dtype: Annotated[str | None, typer.Option(help="Cast the model and its floating inputs "
                                                        "(float16, bfloat16, float32).")] = None,
         profile: Annotated[bool, typer.Option("--profile", help="Attribute run time to each op and estimate "

@@ -53,3 +53,33 @@ def speedup(candidate: Quantiles | None, baseline: Quantiles | None) -> float | 
     if candidate is None or baseline is None or candidate.p50 <= 0:
         return None
     return baseline.p50 / candidate.p50
+
+
+# --- drift between a stored and a re-measured speedup (forge bench --recheck; docs/bench.md) ---
+#
+# A stored speedup and a re-measured one are "drifted" when (1) their p20-p80 speedup intervals do not
+# overlap, i.e. the difference is larger than either measurement's own spread, and (2) they differ by
+# more than DRIFT_FLOOR. (1) scales with the noise actually observed: ~1.5% p20-p80 spread on the H200,
+# tens of percent for 5 host-clock samples on the interpreter. (2) bounds what is left when both spreads
+# are tiny: two forced searches of the same spec gave eager p50s 5% apart on the H200
+# (tests/test_gpu.py::test_timing_is_stable_run_to_run, docs/notes.md), and a speedup is a ratio of two
+# p50s, so a run-to-run change up to ~2 x 5% = 10% is not evidence that anything changed.
+DRIFT_FLOOR = 0.10
+
+
+def speedup_interval(kernel: Quantiles, baseline: Quantiles) -> tuple[float, float]:
+    """The p20-p80 range of baseline/kernel: (fast baseline / slow kernel, slow baseline / fast kernel)."""
+    return baseline.p20 / kernel.p80, baseline.p80 / kernel.p20
+
+
+def drifted(stored_kernel: Quantiles, stored_baseline: Quantiles, new_kernel: Quantiles,
+            new_baseline: Quantiles, floor: float = DRIFT_FLOOR) -> bool:
+    """True if the new p50 speedup is outside the noise of both measurements and off by more than `floor`."""
+    old = speedup(stored_kernel, stored_baseline)
+    new = speedup(new_kernel, new_baseline)
+    if old is None or new is None:
+        return False
+    lo_old, hi_old = speedup_interval(stored_kernel, stored_baseline)
+    lo_new, hi_new = speedup_interval(new_kernel, new_baseline)
+    apart = lo_new > hi_old or hi_new < lo_old
+    return apart and max(new / old, old / new) > 1.0 + floor

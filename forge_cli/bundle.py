@@ -1,0 +1,323 @@
+"""Cache bundles: moving cache entries between machines without trusting their code.
+
+A bundle is one JSON file (format in docs/cache.md): a header and every entry's columns. Import and
+merge put entries through the same checks:
+
+  - shape: every column present with the right type, a known decision;
+  - key: the entry's key must be sha256(spec, env) — an entry stored under a key that is not its own
+    would make the shim serve it for a spec or environment it was never made for;
+  - integrity: source_sha256 is the sha256 of source;
+  - provenance: a kernel's source must re-render, byte for byte, from the *installed* templates with
+    the entry's own spec, variant and params. Forge then runs only code its own templates produce.
+    `--trust` imports entries that fail this check anyway (with a warning); the other checks are
+    never overridden.
+
+Entries made for another environment (GPU, driver, torch, triton, templates) are kept: their key
+contains that environment, so this machine never looks them up, and the shim refuses an entry whose
+env differs from its own in any case. `forge cache prune` removes them.
+
+On a key conflict the newer entry (created_at) wins; ties keep the stored one, so re-running an
+import or merge changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forge._version import __version__
+from forge.cache import DECISIONS, SCHEMA_VERSION, Cache, Entry
+from forge.loader import source_sha256
+from forge.spec import KernelSpec, cache_key
+from forge_cli.errors import UsageError
+
+FORMAT = "forge-cache-bundle"
+FORMAT_VERSION = 1
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Entry)}
+# Expected JSON types per column; None is allowed where the column is nullable.
+_TYPES: dict[str, tuple[type, ...]] = {
+    "key": (str,), "op": (str,), "spec": (dict,), "env": (dict,), "decision": (str,),
+    "variant": (str, type(None)), "params": (dict, type(None)), "source": (str, type(None)),
+    "source_sha256": (str, type(None)), "template_hash": (str,), "winner": (dict, type(None)),
+    "baseline": (dict, type(None)), "candidates": (list,), "search_seconds": (int, float),
+    "forge_version": (str,), "created_at": (int, float),
+}
+
+
+class BundleError(UsageError):
+    """The bundle file cannot be read as a forge cache bundle (exit 2: a bad FILE argument)."""
+
+
+class Rejected(Exception):
+    """An entry that must not be imported; the message says why."""
+
+
+class Untrusted(Rejected):
+    """An entry whose source does not re-render from the installed templates (`--trust` overrides)."""
+
+
+# -- writing ----------------------------------------------------------------------------------------
+
+def entry_to_json(entry: Entry) -> dict[str, Any]:
+    return dataclasses.asdict(entry)
+
+
+def write_bundle(path: str | os.PathLike, entries: Iterable[Entry]) -> int:
+    """Write `entries` to `path` as one bundle, atomically (rename); returns how many."""
+    rows = [entry_to_json(e) for e in entries]
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "cache_schema_version": SCHEMA_VERSION,
+           "forge_version": __version__, "created_at": time.time(), "count": len(rows), "entries": rows}
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise UsageError(f"cannot write bundle {path}: {exc.strerror or exc}") from None
+    return len(rows)
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+def read_bundle(path: str | os.PathLike) -> list[Any]:
+    """The raw entries of the bundle at `path`. Raises BundleError for anything that is not a bundle
+    this forge can read (missing file, not JSON, another format, a newer format version)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BundleError(f"cannot read bundle {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{path} is not a forge cache bundle (not JSON: {exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise BundleError(f"{path} is not a forge cache bundle (no \"format\": \"{FORMAT}\" header); "
+                          "to merge another cache DB use `forge cache merge`")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise BundleError(f"bundle {path} has no valid format_version")
+    if version > FORMAT_VERSION:
+        raise BundleError(f"bundle {path} has format version {version}, newer than this forge reads "
+                          f"({FORMAT_VERSION}); upgrade forge")
+    entries = doc.get("entries")
+    if not isinstance(entries, list):
+        raise BundleError(f"bundle {path} has no \"entries\" list")
+    return entries
+
+
+def parse_entry(raw: Any) -> Entry:
+    """A bundle's entry as an Entry; Rejected (with the reason) when its shape is wrong."""
+    if not isinstance(raw, dict):
+        raise Rejected(f"malformed entry: expected an object, got {type(raw).__name__}")
+    missing = sorted(set(_FIELDS) - set(raw))
+    if missing:
+        raise Rejected(f"malformed entry: missing {', '.join(missing)}")
+    values = {name: raw[name] for name in _FIELDS}
+    for name, types in _TYPES.items():
+        value = values[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise Rejected(f"malformed entry: {name} is {type(value).__name__}")
+    if values["decision"] not in DECISIONS:
+        raise Rejected(f"malformed entry: unknown decision {values['decision']!r}")
+    if not math.isfinite(values["created_at"]):
+        raise Rejected("malformed entry: created_at is not a finite number")
+    return Entry(**values)
+
+
+# -- checking ---------------------------------------------------------------------------------------
+
+def check_integrity(entry: Entry) -> None:
+    """The checks `--trust` never overrides: the key is the entry's own, the source matches its hash."""
+    try:
+        spec = KernelSpec.from_dict(entry.spec)
+        key = cache_key(spec, entry.env)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise Rejected(f"malformed spec or env ({exc})") from None
+    if entry.key != key:
+        raise Rejected(f"key is not sha256(spec, env) (that is {key[:12]}...): the entry would be served "
+                       "for a spec or environment it was not made for")
+    if spec.op != entry.op:
+        raise Rejected(f"op {entry.op!r} differs from its spec's op {spec.op!r}")
+    if entry.decision == "kernel":
+        if entry.source is None or entry.variant is None or entry.params is None:
+            raise Rejected("a kernel decision without source, variant or params")
+    if entry.source is not None and source_sha256(entry.source) != entry.source_sha256:
+        raise Rejected("source does not match its source_sha256 (damaged or edited)")
+
+
+def rerender(entry: Entry) -> str:
+    """The source the installed templates give for the entry's spec, variant and params.
+
+    Raises Untrusted when that is impossible (unknown op or variant, a template error)."""
+    from forge_cli import codegen, ops
+    from forge_cli.opkit import Candidate
+
+    try:
+        op = ops.get(entry.op)
+    except UsageError:
+        raise Untrusted(f"op {entry.op!r} is not installed here, so its source cannot be checked") from None
+    try:
+        spec = KernelSpec.from_dict(entry.spec)
+        return codegen.render(op, spec, Candidate.make(entry.variant, **entry.params))
+    except Exception as exc:  # noqa: BLE001 - any failure to re-render means the source is unverified
+        raise Untrusted(f"source cannot be re-rendered from the installed templates "
+                        f"({type(exc).__name__}: {exc})") from None
+
+
+def check_source(entry: Entry) -> None:
+    """Raises Untrusted unless a kernel entry's source is exactly what the installed templates render."""
+    if entry.decision != "kernel":
+        return
+    expected = rerender(entry)
+    if source_sha256(expected) != entry.source_sha256:
+        stale = ""
+        try:
+            from forge_cli import ops
+
+            if ops.get(entry.op).template_hash != entry.template_hash:
+                stale = " (the entry was made with other templates: template_hash differs)"
+        except UsageError:
+            pass
+        raise Untrusted("source does not re-render from the installed templates with its variant and params "
+                        f"(sha256 {entry.source_sha256[:12]}... vs {source_sha256(expected)[:12]}...){stale}")
+
+
+def this_machine_envs() -> dict[str, list[dict[str, Any]]]:
+    """backend -> the environment fingerprints (without "templates") this machine has for it."""
+    from forge.env import collect_env
+
+    envs: dict[str, list[dict[str, Any]]] = {"interpreter": []}
+    try:
+        envs["interpreter"].append(collect_env("interpreter"))
+    except Exception:  # noqa: BLE001 - no torch: nothing can be served here
+        envs["interpreter"] = []
+    envs["cuda"] = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            envs["cuda"] = [collect_env("cuda", i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001
+        pass
+    return envs
+
+
+def same_environment(env: dict[str, Any], envs: dict[str, list[dict[str, Any]]]) -> bool:
+    """Whether `env` (an entry's, templates aside) is one of this machine's."""
+    bare = {k: v for k, v in env.items() if k != "templates"}
+    return any(bare == mine for mine in envs.get(env.get("backend"), []))
+
+
+# -- importing --------------------------------------------------------------------------------------
+
+@dataclass
+class ImportReport:
+    source: str  # the bundle file or DB(s)
+    cache: str
+    added: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # the cache already had it (same or newer)
+    rejected: list[dict[str, Any]] = field(default_factory=list)  # {"key", "op", "reason", "from"}
+    trusted: list[dict[str, Any]] = field(default_factory=list)  # imported with --trust despite the reason
+    other_env: list[str] = field(default_factory=list)  # imported, made for another environment
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _describe(raw: Any) -> tuple[str, str]:
+    if isinstance(raw, dict):
+        return str(raw.get("key", "?")), str(raw.get("op", "?"))
+    return "?", "?"
+
+
+def import_entries(cache: Cache, raws: list[tuple[str, Any]], *, trust: bool, source: str) -> ImportReport:
+    """Check each (origin, raw entry) and store those that pass, newer-wins. `raws` may hold Entry
+    objects (from another cache DB) or bundle dicts."""
+    report = ImportReport(source=source, cache=str(cache.path))
+    accepted: list[Entry] = []
+    for origin, raw in raws:
+        key, op = _describe(entry_to_json(raw) if isinstance(raw, Entry) else raw)
+        try:
+            entry = raw if isinstance(raw, Entry) else parse_entry(raw)
+            check_integrity(entry)
+            try:
+                check_source(entry)
+            except Untrusted as exc:
+                if not trust:
+                    raise
+                report.trusted.append({"key": entry.key, "op": entry.op, "reason": str(exc), "from": origin})
+        except Rejected as exc:
+            report.rejected.append({"key": key, "op": op, "reason": str(exc), "from": origin})
+            continue
+        accepted.append(entry)
+    if accepted:
+        envs = this_machine_envs()
+        # Per key, relative to the cache before: added if it was not there (even if a later duplicate
+        # in the same import replaced it), else replaced if any copy was newer, else kept.
+        final: dict[str, str] = {}
+        rank = {"kept": 0, "replaced": 1, "added": 2}
+        for entry, outcome in zip(accepted, cache.put_newer(accepted), strict=True):
+            if rank[outcome] > rank[final.get(entry.key, "kept")] or entry.key not in final:
+                final[entry.key] = outcome
+            if not same_environment(entry.env, envs):
+                report.other_env.append(entry.key)
+        for key, outcome in final.items():
+            getattr(report, outcome).append(key)
+    for name in ("added", "replaced", "kept", "other_env"):
+        setattr(report, name, sorted(set(getattr(report, name))))
+    return report
+
+
+# -- pruning ----------------------------------------------------------------------------------------
+
+PRUNE_CRITERIA = ("env", "stale", "age")
+
+
+def prune_reasons(entries: list[Entry], *, env: bool, stale: bool, older_than_days: float | None,
+                  now: float | None = None) -> list[tuple[Entry, list[str]]]:
+    """(entry, reasons) for every entry that one of the chosen criteria removes."""
+    from forge_cli import ops
+
+    now = time.time() if now is None else now
+    envs = this_machine_envs() if env else {}
+    hashes: dict[str, str | None] = {}
+    out = []
+    for e in entries:
+        reasons = []
+        if env and not same_environment(e.env, envs):
+            reasons.append(f"other environment ({e.env.get('backend')}: {e.env.get('gpu') or e.env.get('cpu')}, "
+                           f"torch {e.env.get('torch')}, triton {e.env.get('triton')})")
+        if stale:
+            if e.op not in hashes:
+                try:
+                    hashes[e.op] = ops.get(e.op).template_hash
+                except (UsageError, TypeError):
+                    hashes[e.op] = None
+            if hashes[e.op] is None:
+                reasons.append(f"op {e.op!r} is not installed")
+            elif hashes[e.op] != e.template_hash:
+                reasons.append("stale templates (template_hash differs from the installed op's)")
+        if older_than_days is not None and now - e.created_at > older_than_days * 86400:
+            reasons.append(f"older than {older_than_days:g} days ({(now - e.created_at) / 86400:.1f} d)")
+        if reasons:
+            out.append((e, reasons))
+    return out
