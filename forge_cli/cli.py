@@ -421,13 +421,12 @@ def cache_path(cache: CacheOpt = None) -> None:
     print(cache or default_cache_path())
 
 
-# Subcommands that live in their own modules (each has register(app, cache_app)).
-# TEMPORARY while they are written in parallel: modules not yet present are skipped.
-for _name in ("cmd_bundle", "cmd_export", "cmd_bench", "cmd_trace"):
-    if (Path(__file__).parent / f"{_name}.py").is_file():
-        import importlib
+# Subcommands that live in their own modules (each has register(app, cache_app)); imported last,
+# because they use this module's helpers (consoles, _open_cache, _fail, option types).
+from forge_cli import cmd_bench, cmd_bundle, cmd_export, cmd_trace  # noqa: E402
 
-        importlib.import_module(f"forge_cli.{_name}").register(app, cache_app)
+for _mod in (cmd_trace, cmd_bench, cmd_export, cmd_bundle):
+    _mod.register(app, cache_app)
 
 
 def main() -> None:
