@@ -387,7 +387,11 @@ class TraceGraph:
                     return ("mean_last", args[0])
             if name in ("softmax", "log_softmax") and ndim is not None:
                 dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-                if _last_dim(dim, ndim) and n.kwargs.get("dtype") is None and n.kwargs.get("_stacklevel", 3) == 3:
+                # A third positional argument is F.softmax's _stacklevel (an int, only a warning's stack
+                # level; nn.Softmax passes 5) or torch.softmax / Tensor.softmax's dtype, which changes the result.
+                dtype_given = n.kwargs.get("dtype") is not None or any(
+                    a is not None and not isinstance(a, int) for a in n.args[2:])
+                if _last_dim(dim, ndim) and not dtype_given:
                     return (f"{name}_last", args[0])
             if name == "rms_norm" and ndim is not None:
                 x = values[first]

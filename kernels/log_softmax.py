@@ -1,0 +1,82 @@
+"""log_softmax over the last dimension: y = x - max(x) - log(sum(exp(x - max(x))))."""
+
+from __future__ import annotations
+
+from forge.spec import KernelSpec, TensorSpec
+from forge_cli import opkit
+
+NAME = "log_softmax"
+SUMMARY = "log_softmax(x, dim=-1)"
+TEMPLATES = {"row": "log_softmax_row.j2", "looped": "log_softmax_looped.j2", "multirow": "log_softmax_multirow.j2"}
+DEFAULT_ATTRS = {"dim": -1}
+
+
+def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:
+    a = {**DEFAULT_ATTRS, **(attrs or {})}
+    unknown = set(a) - set(DEFAULT_ATTRS)
+    if unknown:
+        raise ValueError(f"log_softmax takes attributes {sorted(DEFAULT_ATTRS)}, not {sorted(unknown)}")
+    if int(a["dim"]) not in (-1, len(shape) - 1):
+        raise ValueError(f"log_softmax kernels reduce over the last dimension only, not dim={a['dim']}")
+    a["dim"] = -1
+    return KernelSpec(NAME, (TensorSpec(shape, dtype, device=device),), a)
+
+
+def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
+    x = spec.inputs[0]
+    return (opkit.random_tensor(x.shape, x.dtype, x.device, opkit.generator(seed, x.device), distribution),)
+
+
+def reference(inputs, attrs):
+    import torch
+
+    return torch.log_softmax(inputs[0], dim=-1)
+
+
+def oracle(inputs, attrs):
+    return reference(tuple(t.double() for t in inputs), attrs)
+
+
+def alloc_output(inputs, spec: KernelSpec):
+    import torch
+
+    return torch.empty_like(inputs[0])
+
+
+def run(module, inputs, out, attrs) -> None:
+    x = inputs[0]
+    n = x.shape[-1]
+    module.launch(x.reshape(-1, n), out.view(-1, n))
+
+
+space = opkit.row_space  # one array (x) in registers, like softmax: opkit's bounds apply as they are
+default = opkit.row_default
+
+
+def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
+    return opkit.row_render_context(spec, cand, NAME)
+
+
+def bytes_moved(spec: KernelSpec) -> int:
+    return 2 * spec.inputs[0].nbytes
+
+
+def flops(spec: KernelSpec) -> int:
+    return 5 * spec.inputs[0].numel
+
+
+def tolerance(dtype: str) -> opkit.Tolerance:
+    return opkit.ROW_TOLERANCE[dtype]
+
+
+# -- recognising log_softmax in user code (forge/trace.py canonical forms) ------------------------
+def match(expr) -> tuple[list, dict] | None:
+    """F.log_softmax / torch.log_softmax / x.log_softmax / nn.LogSoftmax over the last dim (no dtype
+    argument): forge/trace.py folds them all into ("log_softmax_last", x)."""
+    if expr[0] == "log_softmax_last" and expr[1][0] == "input":
+        return [expr[1][1]], {"dim": -1}
+    return None
+
+
+def fill_missing(inputs: list):
+    return tuple(inputs)
