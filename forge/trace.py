@@ -370,8 +370,8 @@ class TraceGraph:
                 return ("sub", *args)
             if name == "pow" and len(args) == 2 and args[1][0] == "const":
                 e = args[1][1]
-                if e == 2:
-                    return _flat("mul", [args[0], args[0]])
+                if isinstance(e, int | float) and not isinstance(e, bool) and e in (2, 3, 4):
+                    return _flat("mul", [args[0]] * int(e))  # x**3 of the tanh-gelu formula
                 if e == 0.5:
                     return ("sqrt", args[0])
                 if e == -0.5:

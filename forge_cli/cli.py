@@ -217,7 +217,7 @@ def search(
     try:
         for name in ("dtype", "budget", "strategy", "seed", "timeout", "device", "workers"):
             if cli[name] is not None:
-                cli[name] = manifest_mod._check(name, cli[name], f"--{name}")
+                cli[name] = manifest_mod._check(name, cli[name], None)
         if manifest is not None:
             if op is not None or shape is not None or attr:
                 raise UsageError("--manifest replaces OP, --shape and --attr; give either a manifest or one op")

@@ -92,9 +92,13 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check(name: str, v: Any, where: str) -> Any:
+def _check(name: str, v: Any, where: str | None) -> Any:
+    """v if it is a valid value of setting `name`, else ManifestError; where=None: a command-line option."""
+    enumerated = name in ("device", "dtype", "strategy")
+
     def bad(expected: str) -> ManifestError:
-        return ManifestError(f"{where}: field '{name}': expected {expected}, got {v!r}")
+        what = f"unknown {name} {v!r}; expected {expected}" if enumerated else f"expected {expected}, got {v!r}"
+        return ManifestError(f"--{name}: {what}" if where is None else f"{where}: field '{name}': {what}")
 
     if name == "device":
         if v not in ("cuda", "cpu"):

@@ -1,0 +1,324 @@
+"""gelu: y = x * Phi(x) elementwise (approximate="none", through erf) or its tanh approximation
+(approximate="tanh"), over a tensor of any shape (flattened: the problem shape is x.shape).
+
+Not a row op: the search space is a flat elementwise one (see `space`), with two structural variants:
+  flat        one BLOCK of contiguous elements per program, cdiv(numel, BLOCK) programs
+  persistent  min(cdiv(numel, BLOCK), PROGRAMS_PER_SM x SMs) programs striding over the blocks
+"""
+
+from __future__ import annotations
+
+import math
+
+from forge.spec import KernelSpec, TensorSpec
+from forge_cli import opkit
+
+NAME = "gelu"
+SUMMARY = "F.gelu(x, approximate='none' | 'tanh'), elementwise over any shape"
+TEMPLATES = {"flat": "gelu_flat.j2", "persistent": "gelu_persistent.j2"}
+DEFAULT_ATTRS = {"approximate": "none"}
+MODES = ("none", "tanh")
+
+# Elementwise masking shapes for tests/test_templates.py: one element, odd sizes, leading dims that
+# flatten, a power of two, and a long one whose last block holds one element.
+TEST_SHAPES = [(1,), (7,), (3, 7), (2, 3, 33), (5, 300), (4096,), (1, 65537)]
+
+
+def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:
+    a = {**DEFAULT_ATTRS, **(attrs or {})}
+    unknown = set(a) - set(DEFAULT_ATTRS)
+    if unknown:
+        raise ValueError(f"gelu takes attributes {sorted(DEFAULT_ATTRS)}, not {sorted(unknown)}")
+    mode = str(a["approximate"]).lower()
+    if mode not in MODES:
+        raise ValueError(f"approximate={a['approximate']!r} is not supported (only 'none' or 'tanh')")
+    return KernelSpec(NAME, (TensorSpec(shape, dtype, device=device),), {"approximate": mode})
+
+
+def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
+    x = spec.inputs[0]
+    return (opkit.random_tensor(x.shape, x.dtype, x.device, opkit.generator(seed, x.device), distribution),)
+
+
+def reference(inputs, attrs):
+    """The eager baseline: PyTorch's fused gelu kernel (one read, one write)."""
+    import torch.nn.functional as F
+
+    return F.gelu(inputs[0], approximate=attrs["approximate"])
+
+
+def oracle(inputs, attrs):
+    """The exact result (float64) rounded once to the output dtype: the best any kernel can return.
+    Unrounded, a tiny fp16 result in the subnormal range (spacing 6e-8) is off by up to tens of percent
+    in every kernel, so a one- or two-element tensor would fail the relative-norm check by chance."""
+    return reference(tuple(t.double() for t in inputs), attrs).to(inputs[0].dtype)
+
+
+def alloc_output(inputs, spec: KernelSpec):
+    import torch
+
+    return torch.empty_like(inputs[0])
+
+
+def run(module, inputs, out, attrs) -> None:
+    module.launch(inputs[0].reshape(-1), out.view(-1))
+
+
+# -- the flat elementwise space (the same in kernels/silu_mul.py) ---------------------------------
+# Measured on the H200 (bf16, do_bench medians, 2026-12-02): `flat` is the faster variant on large
+# tensors (gelu 8192x14336: 141 us flat vs 148 us best persistent vs 153 us eager; silu_mul: 167 vs
+# 174 vs 286 us) and `persistent` ties or wins narrowly around 1M elements (gelu 1024x1024: 5.7 vs
+# 6.1 us), where cdiv(numel, BLOCK) blocks leave a partial last wave. On large tensors the unpipelined
+# persistent grid was fastest with the most programs (8 per SM x 16 warps, more than the 64 resident
+# warps an SM holds): memory parallelism matters more there than the programs' lifetime, so that end
+# stays in the grid. Its loop pipelined over 3 stages (tl.range num_stages) was 7% faster than unpipelined
+# for gelu at 8192x14336 over grids of at most 64 warps per SM (148 vs 159 us).
+VARIANTS = ("flat", "persistent")
+# Streaming sm_90 kernels want each thread to issue at least one 16-byte (LDG.128) access per input:
+# narrower accesses need more instructions for the same bytes. 32 fp32 values per thread and input
+# (two inputs for silu_mul: 64 registers of data) stays well clear of spilling at num_warps <= 16.
+MIN_BYTES_PER_THREAD = 16
+MAX_ELEMS_PER_THREAD = 32
+MIN_BLOCK = 256
+# The validity rule below needs an SM count before any GPU is touched (spaces are built in the parent
+# process): 132 is the H100/H200 SXM count. The persistent launcher reads the real count at run time.
+NOMINAL_SMS = {"cuda": 132, "cpu": 4}
+
+
+def numel(spec: KernelSpec) -> int:
+    return spec.inputs[0].numel
+
+
+def elementwise_space(spec: KernelSpec) -> opkit.Space:
+    n = numel(spec)
+    itemsize = spec.inputs[0].itemsize
+    on_gpu = spec.device == "cuda"
+    sms = NOMINAL_SMS["cuda" if on_gpu else "cpu"]
+    largest = max(MIN_BLOCK, opkit.next_pow2(n))
+
+    def valid(c: opkit.Candidate) -> bool:
+        p = c.p
+        per_thread = p["BLOCK"] / (32 * p["num_warps"])
+        if per_thread * itemsize < MIN_BYTES_PER_THREAD or per_thread > MAX_ELEMS_PER_THREAD:
+            return False
+        if p["BLOCK"] > largest:  # one program either way; a bigger block only masks more lanes
+            return False
+        if c.variant == "persistent":
+            if not on_gpu and p["num_stages"] != 1:  # pipelining does not exist in the interpreter
+                return False
+            # Only where some program loops: with one block per program it is `flat` with extra work.
+            return -(-n // p["BLOCK"]) > p["PROGRAMS_PER_SM"] * sms
+        return True
+
+    blocks = [256, 512, 1024, 2048, 4096, 8192, 16384]
+    return opkit.Space(
+        variants={
+            "flat": {"BLOCK": blocks, "num_warps": [1, 2, 4, 8, 16]},
+            "persistent": {"BLOCK": blocks[:-1], "num_warps": [1, 2, 4, 8, 16],
+                           "PROGRAMS_PER_SM": [1, 2, 4, 8], "num_stages": [1, 3]},
+        },
+        valid=valid,
+    )
+
+
+def elementwise_default(spec: KernelSpec) -> opkit.Candidate:
+    """Untuned but sensible: flat, two 16-byte vectors per thread (8 fp32 / 16 half values), 4 warps,
+    the block shrunk (never below MIN_BLOCK) for small tensors."""
+    itemsize = spec.inputs[0].itemsize
+    per_thread = 2 * MIN_BYTES_PER_THREAD // itemsize
+    block = min(32 * 4 * per_thread, max(MIN_BLOCK, opkit.next_pow2(numel(spec))))
+    warps = max(1, min(4, block // (32 * per_thread)))
+    return opkit.Candidate.make("flat", BLOCK=block, num_warps=warps)
+
+
+def elementwise_render_context(spec: KernelSpec, cand: opkit.Candidate, op: str) -> dict:
+    ctx = dict(cand.p)
+    ctx.setdefault("PROGRAMS_PER_SM", 1)
+    ctx.setdefault("num_stages", 1)
+    # Triton <= 3.6's interpreter cannot take a runtime loop bound (opkit.row_render_context says
+    # why): on the interpreter the persistent loop's trip count is passed as a constexpr.
+    ctx["N_CONSTEXPR"] = spec.device != "cuda"
+    ctx["CPU_SMS"] = NOMINAL_SMS["cpu"]
+    ctx["kernel_name"] = f"forge_{op}_{cand.variant}"
+    ctx["variant"] = cand.variant
+    return ctx
+
+
+def elementwise_test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
+    """For tests/test_templates.py: power-of-two blocks (a partial last block at every size that is not
+    a multiple), one far larger than small tensors, and persistent grids that on the interpreter (4
+    "SMs") loop over 2-4 rounds, the last one partly or wholly masked. Blocks grow with the tensor so the
+    long shapes stay at ~20 programs (the interpreter's cost is per program).
+    Chosen directly, not from space(): the persistent rule excludes the tiny shapes, but the template
+    must still be right there (one program, one round)."""
+    n2 = opkit.next_pow2(numel(spec))
+    return [
+        opkit.Candidate.make("flat", BLOCK=max(256, n2 // 8), num_warps=1),
+        opkit.Candidate.make("flat", BLOCK=4096, num_warps=8),
+        opkit.Candidate.make("persistent", BLOCK=max(256, n2 // 16), num_warps=2, PROGRAMS_PER_SM=1, num_stages=1),
+        opkit.Candidate.make("persistent", BLOCK=max(256, n2 // 32), num_warps=4, PROGRAMS_PER_SM=2, num_stages=1),
+    ]
+
+
+space = elementwise_space
+default = elementwise_default
+test_candidates = elementwise_test_candidates
+
+
+def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
+    ctx = elementwise_render_context(spec, cand, NAME)
+    ctx["APPROXIMATE"] = spec.attrs["approximate"]
+    return ctx
+
+
+def bytes_moved(spec: KernelSpec) -> int:
+    return 2 * spec.inputs[0].nbytes
+
+
+def flops(spec: KernelSpec) -> int:
+    # erf (a polynomial, ~10 ops in libdevice) or x^3, exp and a division, plus the scaling.
+    return 14 * numel(spec)
+
+
+def tolerance(dtype: str) -> opkit.Tolerance:
+    # The kernels compute in fp32 from the rounded input: the error is the output's rounding plus a few
+    # fp32 ulp (erf, exp), inside the row ops' bounds in every dtype.
+    return opkit.ROW_TOLERANCE[dtype]
+
+
+# -- recognising gelu in user code (forge/trace.py canonical forms) --------------------------------
+# A written-out formula matches only if its constants are these within REL_TOL (relative): the
+# constant as written in the papers/libraries (0.7978845608, 0.70710678...) or rounded to fp32 passes;
+# a different constant is a different function and falls back to eager.
+REL_TOL = 1e-6
+INV_SQRT2 = 1.0 / math.sqrt(2.0)
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+TANH_CUBIC = 0.044715
+# The argument of erf / tanh as a polynomial in x: {power: coefficient}.
+ARGUMENT = {"erf": ("none", {1: INV_SQRT2}),
+            "tanh": ("tanh", {1: SQRT_2_OVER_PI, 3: SQRT_2_OVER_PI * TANH_CUBIC})}
+MAX_DEGREE = 8
+
+
+def _close(value: float, target: float) -> bool:
+    return abs(value - target) <= REL_TOL * abs(target)
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _poly(e: tuple, x: tuple) -> dict[int, float] | None:
+    """`e` as a polynomial in the input `x` ({power: coefficient}), or None if it is not one
+    (another input, a non-numeric constant, division by a non-constant, a transcendental op)."""
+    head = e[0]
+    if e == x:
+        return {1: 1.0}
+    if head == "const":
+        return {0: float(e[1])} if _number(e[1]) else None
+    if head in ("mul", "add", "sub", "neg", "recip"):
+        parts = [_poly(a, x) for a in e[1:]]
+        if any(p is None for p in parts):
+            return None
+        if head == "neg":
+            return {k: -c for k, c in parts[0].items()}
+        if head == "recip":
+            c = parts[0]
+            if set(c) != {0} or c[0] == 0.0:
+                return None
+            return {0: 1.0 / c[0]}
+        if head == "sub":
+            parts[1] = {k: -c for k, c in parts[1].items()}
+        out: dict[int, float] = {0: 1.0} if head == "mul" else {}
+        for p in parts:
+            if head == "mul":
+                prod: dict[int, float] = {}
+                for i, a in out.items():
+                    for j, b in p.items():
+                        prod[i + j] = prod.get(i + j, 0.0) + a * b
+                out = prod
+            else:
+                for k, c in p.items():
+                    out[k] = out.get(k, 0.0) + c
+        if any(k > MAX_DEGREE for k in out):
+            return None
+        return {k: c for k, c in out.items() if c != 0.0}
+    return None
+
+
+def _poly_is(p: dict[int, float] | None, target: dict[int, float]) -> bool:
+    return p is not None and set(p) == set(target) and all(_close(p[k], target[k]) for k in target)
+
+
+def _inputs_in(e) -> set:
+    if not isinstance(e, tuple) or not e:
+        return set()
+    if e[0] == "input":
+        return {e}
+    return set().union(*(_inputs_in(a) for a in e[1:] if isinstance(a, tuple)))
+
+
+def _special(term: tuple) -> tuple[str, tuple, tuple[tuple, ...]] | None:
+    """erf(arg) / tanh(arg), alone or times constant factors: (function, arg, the other factors)."""
+    if term[0] in ARGUMENT:
+        return term[0], term[1], ()
+    if term[0] == "mul":
+        found = [f for f in term[1:] if f[0] in ARGUMENT]
+        if len(found) == 1:
+            rest = list(term[1:])
+            rest.remove(found[0])
+            return found[0][0], found[0][1], tuple(rest)
+    return None
+
+
+def _match_formula(expr: tuple) -> tuple[list, dict] | None:
+    """k * x * (c + c * f(arg)), f = erf or tanh, factors in any order; k * c must be 0.5 and arg
+    x / sqrt(2) (erf) or sqrt(2/pi) * (x + 0.044715 x^3) (tanh), checked as polynomials in x."""
+    if expr[0] != "mul":
+        return None
+    sums = [f for f in expr[1:] if f[0] == "add" and sum(_special(t) is not None for t in f[1:]) == 1]
+    if len(sums) != 1:
+        return None
+    terms = list(sums[0][1:])
+    term = next(t for t in terms if _special(t) is not None)
+    fn, arg, scale_factors = _special(term)
+    xs = _inputs_in(arg)
+    if len(xs) != 1:
+        return None
+    x = xs.pop()
+    mode, target = ARGUMENT[fn]
+    if not _poly_is(_poly(arg, x), target):
+        return None
+    terms.remove(term)
+    scale = _poly(("mul", *scale_factors), x) if scale_factors else {0: 1.0}
+    offset = _poly(("add", *terms), x) if len(terms) > 1 else (_poly(terms[0], x) if terms else None)
+    rest = list(expr[1:])
+    rest.remove(sums[0])
+    outer = _poly(("mul", *rest), x) if len(rest) > 1 else (_poly(rest[0], x) if rest else None)
+    if scale is None or offset is None or outer is None:
+        return None
+    if set(scale) != {0} or set(offset) != {0} or set(outer) != {1}:
+        return None
+    c = offset[0]
+    if not (_close(scale[0], c) and _close(outer[1] * c, 0.5)):
+        return None
+    return [x[1]], {"approximate": mode}
+
+
+def match(expr) -> tuple[list, dict] | None:
+    """F.gelu(x[, approximate]), nn.GELU([approximate]), and the written-out formulas
+    0.5 * x * (1 + erf(x / sqrt(2)))  ->  approximate="none"
+    0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))  ->  approximate="tanh"
+    in any arrangement that canonicalises to the same polynomials (x * 0.7071067811865476,
+    x * (0.5 + 0.5 * erf(...)), x * (1 + ...) / 2, x * x * x). An unknown `approximate` string is still
+    returned, so make_spec names it as the reason for falling back."""
+    if expr[0] == "gelu":
+        _, x, mode = expr
+        if x[0] != "input" or mode[0] != "const" or not isinstance(mode[1], str):
+            return None
+        return [x[1]], {"approximate": mode[1].lower()}
+    return _match_formula(expr)
+
+
+def fill_missing(inputs: list):
+    return tuple(inputs)
