@@ -128,3 +128,31 @@ def test_shim_module_and_load_on_cuda(tuned_rmsnorm):
     f = forge.optimize(_rms, search=False, warn=False)
     assert "non-contiguous" in forge.explain(f, xt, w).reason
     assert torch.equal(f(xt, w), _rms(xt, w))
+
+
+def test_trace_profile_on_cuda_attributes_device_time(tmp_path):
+    """forge trace --profile on the GPU: device time per matched op, each kernel counted once."""
+    import json
+    import textwrap
+
+    from typer.testing import CliRunner
+
+    from forge_cli import cli
+
+    (tmp_path / "m.py").write_text(textwrap.dedent('''
+        import torch
+
+        class Model(torch.nn.Module):
+            def forward(self, x):
+                return torch.softmax(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), -1).cumsum(-1)
+
+        def get_inputs():
+            return [torch.randn(2048, 4096, dtype=torch.float16)]
+    '''))
+    res = CliRunner().invoke(cli.app, ["trace", str(tmp_path / "m.py"), "--device", "cuda", "--profile", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert [r["op"] for r in doc["regions"]] == ["rmsnorm", "softmax"]
+    p = doc["profile"]
+    assert p["clock"].startswith("device") and p["total_us"] > 0 and 0.3 < p["covered_fraction"] < 1
+    assert all(r["us"] > 0 for r in doc["regions"]) and doc["unmatched"][0]["us"] > 0
