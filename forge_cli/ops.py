@@ -22,6 +22,15 @@ _PKG = Path(__file__).resolve().parent
 REQUIRED = ("NAME", "TEMPLATES", "DEFAULT_ATTRS", "make_spec", "make_inputs", "reference", "oracle",
             "alloc_output", "run", "space", "default", "render_context", "bytes_moved", "flops",
             "tolerance")
+# Optional, used where present:
+#   match(expr) -> ([input index or None, ...], attrs) | None   recognise the op in a trace (forge/trace.py forms)
+#   fill_missing(inputs) -> tuple            inputs the user's code left out (rmsnorm's weight of ones)
+#   problem(inputs, attrs) -> shape          the spec's problem shape when it is not inputs[0].shape (matmul
+#                                            (M, N, K)); raises ValueError for layouts it does not take; may
+#                                            complete `attrs` in place with what only the tensors show (sdpa's
+#                                            kv_heads)
+#   tolerance_for(spec) -> Tolerance         a spec-exact tolerance (matmul's grows with K)
+#   TEST_SHAPES, MID_SHAPE, test_candidates(spec)   what tests/test_templates.py runs for this op
 
 
 def _builtin_dirs() -> tuple[Path, Path]:
