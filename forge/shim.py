@@ -166,6 +166,9 @@ class Optimized:
 
         # root: the nn.Module whose parameters the computation reads (None for a plain function).
         self._root, _, self._sig = _trace_target(fn)
+        # Tensor defaults are traced as arguments but absent from a positional call: such functions take
+        # the general path, which binds defaults the way the trace did.
+        self._tensor_defaults = any(_is_tensor(p.default) for p in self._sig.parameters.values())
         try:
             functools.update_wrapper(self, fn)
         except AttributeError:  # an nn.Module instance has no __name__ etc.
@@ -174,7 +177,7 @@ class Optimized:
     # -- hot path ---------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         root = self._root
-        if kwargs or root is not None:
+        if kwargs or root is not None or self._tensor_defaults:
             return self._call_general(args, kwargs)
         # The common case, kept to one pass over the arguments (a cache hit costs this plus a launch).
         h = _hot or _torch_hot()
@@ -256,6 +259,11 @@ class Optimized:
             return eager(f"no op family matches this computation ({_describe(traced.expr)})")
         op, indices, attrs = found
         tensors = traced.tensors
+        if self._root is None and traced.params:
+            # fx baked in tensors the function reads from globals or closures; rebinding such a name
+            # later would not change the signature, so a bound kernel could keep the old tensor.
+            return eager("reads tensors that are not its arguments (globals or closures): pass them as "
+                         "arguments, or optimize an nn.Module whose parameters they are", op=op.name)
         picked = [tensors[i] if i is not None else None for i in indices]
         inputs = op.module.fill_missing(picked)
         x = inputs[0]
@@ -341,13 +349,17 @@ def _load_kernel(entry, cache: Cache):
 
 
 def _tensor_args(sig, args, kwargs) -> list:
-    """The tensor arguments in parameter order (the order forge/trace.py indexes them)."""
+    """The tensor arguments in parameter order, defaults included (the order forge/trace.py indexes them)."""
     import torch
 
-    if not kwargs:
-        return [a for a in args if isinstance(a, torch.Tensor)]
     bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
     return [v for v in bound.arguments.values() if isinstance(v, torch.Tensor)]
+
+
+def _is_tensor(v) -> bool:
+    t = type(v)
+    return t.__module__.startswith("torch") and any(c.__name__ == "Tensor" for c in t.__mro__)
 
 
 def _describe(expr, depth: int = 3) -> str:

@@ -282,3 +282,39 @@ def test_module_kernel_reads_current_parameters(monkeypatch):
         xh = x.half()
         assert "cache miss" in forge.explain(f, xh).reason
         assert torch.equal(f(xh), b(xh))
+
+
+W_GLOBAL = torch.rand(40) + 0.5
+
+
+def rms_reads_global(x):
+    return F.rms_norm(x, (x.shape[-1],), W_GLOBAL, 1e-5)
+
+
+def rms_tensor_default(x, w=W_GLOBAL):
+    return F.rms_norm(x, (x.shape[-1],), w, 1e-5)
+
+
+def test_tensors_from_globals_are_never_baked_into_a_binding():
+    """Rebinding the global later must change the result, as in eager: such functions run eager."""
+    global W_GLOBAL
+    f = forge.optimize(rms_reads_global, interpreter=True, warn=False)
+    e = forge.explain(f, X)
+    assert e.uses == "eager" and "not its arguments" in e.reason
+    before = f(X)
+    old, W_GLOBAL = W_GLOBAL, torch.rand(40) + 2.0
+    try:
+        assert not torch.equal(f(X), before) and torch.equal(f(X), rms_reads_global(X))
+    finally:
+        W_GLOBAL = old
+
+
+def test_tensor_defaults_fall_back_safely():
+    """fx cannot trace a tensor default (today: eager, 'cannot trace'); the call path binds defaults
+    like the trace would (the general path), so a future trace of it could not pick the wrong tensor."""
+    f = forge.optimize(rms_tensor_default, interpreter=True, warn=False)
+    assert f._tensor_defaults
+    e = forge.explain(f, X)
+    assert e.uses == "eager" and "cannot trace" in e.reason
+    assert torch.equal(f(X), rms_tensor_default(X))
+    assert torch.equal(f(X, W_GLOBAL * 2), rms_tensor_default(X, W_GLOBAL * 2))
