@@ -96,9 +96,38 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
+_SCALARS = (int, float, bool, str)
+
+
 def _module_state(root) -> tuple:
-    """A module's parameters and buffers, as part of the signature (model.half(), a reassigned weight)."""
-    return tuple(_tensor_sig(t) for t in root.parameters()) + tuple(_tensor_sig(t) for t in root.buffers())
+    """A module's parameters and buffers (model.half(), a reassigned weight) and the plain scalar
+    attributes of it and its submodules (eps, training, a scale), as part of the signature: fx bakes
+    such attributes into the trace as constants, so a change must mean a new trace."""
+    scalars = tuple((name, k, v) for name, m in root.named_modules() for k, v in vars(m).items()
+                    if isinstance(v, _SCALARS))
+    return (tuple(_tensor_sig(t) for t in root.parameters()) + tuple(_tensor_sig(t) for t in root.buffers())
+            + scalars)
+
+
+def _scalar_reads(fn) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The global names and closure cells of `fn` that hold plain scalars (an EPS = 1e-6 at module
+    level): fx bakes their values into the trace, so they are part of the signature. Only `fn`'s own
+    code is inspected; a helper it calls that reads a global of its own is not covered."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return (), ()
+    g = getattr(fn, "__globals__", {})
+    names = tuple(n for n in code.co_names if isinstance(g.get(n), _SCALARS))
+    cells = tuple(i for i, c in enumerate(getattr(fn, "__closure__", None) or ())
+                  if isinstance(_cell(c), _SCALARS))
+    return names, cells
+
+
+def _cell(c):
+    try:
+        return c.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 class _Binding:
@@ -169,6 +198,8 @@ class Optimized:
         # Tensor defaults are traced as arguments but absent from a positional call: such functions take
         # the general path, which binds defaults the way the trace did.
         self._tensor_defaults = any(_is_tensor(p.default) for p in self._sig.parameters.values())
+        self._scalar_names, self._scalar_cells = _scalar_reads(fn) if self._root is None else ((), ())
+        self._has_scalar_reads = bool(self._scalar_names or self._scalar_cells)
         try:
             functools.update_wrapper(self, fn)
         except AttributeError:  # an nn.Module instance has no __name__ etc.
@@ -190,6 +221,8 @@ class Optimized:
                 key.append(_tensor_sig(a))
             else:
                 key.append(_value_sig(a))
+        if self._has_scalar_reads:
+            key.append(self._extra_state())
         key = tuple(key)
         hit = self._bound.get(key)
         if hit is None:
@@ -199,9 +232,22 @@ class Optimized:
             return self.fn(*args)
         return binding(tensors)
 
+    def _extra_state(self) -> tuple:
+        """What the trace depends on besides the arguments: a module's state, or the scalar globals and
+        closure values a function reads."""
+        if self._root is not None:
+            return _module_state(self._root)
+        if not self._has_scalar_reads:
+            return ()
+        g = self.fn.__globals__
+        cells = self.fn.__closure__ or ()
+        return (tuple(g.get(n) for n in self._scalar_names), tuple(_cell(cells[i]) for i in self._scalar_cells))
+
     def _call_general(self, args, kwargs):
         root = self._root
-        sig = _signature(args, kwargs) if root is None else _signature(args, kwargs) + _module_state(root)
+        sig = _signature(args, kwargs)
+        if root is not None or self._has_scalar_reads:
+            sig += (self._extra_state(),)
         hit = self._bound.get(sig)
         if hit is None:
             hit = self._bind(sig, args, kwargs, allow_search=True)
@@ -213,8 +259,8 @@ class Optimized:
     # -- first call of a signature -----------------------------------------------------------------
     def explain(self, *args, **kwargs) -> Explanation:
         sig = _signature(args, kwargs)
-        if self._root is not None:
-            sig += _module_state(self._root)
+        if self._root is not None or self._has_scalar_reads:
+            sig += (self._extra_state(),)
         hit = self._bound.get(sig) or self._bind(sig, args, kwargs, allow_search=False, remember=False)
         binding, why = hit
         if binding is not None and binding.launch is not None:

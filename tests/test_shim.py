@@ -318,3 +318,37 @@ def test_tensor_defaults_fall_back_safely():
     assert e.uses == "eager" and "cannot trace" in e.reason
     assert torch.equal(f(X), rms_tensor_default(X))
     assert torch.equal(f(X, W_GLOBAL * 2), rms_tensor_default(X, W_GLOBAL * 2))
+
+
+EPS_GLOBAL = 1e-6
+
+
+def rms_global_eps(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS_GLOBAL)
+
+
+@pytest.mark.slow
+def test_scalar_globals_and_module_attributes_are_part_of_the_signature(monkeypatch):
+    """fx bakes a global EPS or a module's eps into the trace: changing them must re-decide, never reuse."""
+    global EPS_GLOBAL
+    monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)
+    x = torch.randn(3, 300) * 1e-3  # small values: eps matters
+    f = forge.optimize(rms_global_eps, budget=1, interpreter=True, warn=False)
+    y1 = f(x)
+    assert forge.explain(f, x).uses == "kernel"
+    EPS_GLOBAL = 1e-2
+    try:
+        f.search = False
+        y2 = f(x)  # a new signature: cache miss with search off -> eager with the new eps
+        assert torch.allclose(y2, rms_global_eps(x), rtol=1e-4, atol=1e-6)
+        assert not torch.allclose(y1, y2, rtol=1e-2)
+    finally:
+        EPS_GLOBAL = 1e-6
+    assert torch.equal(f(x), y1)  # back to the first signature: the bound kernel again
+    m = torch.nn.LayerNorm(300)
+    g = forge.optimize(m, interpreter=True, search=False, warn=False)
+    with torch.no_grad():
+        a = g(x)
+        m.eps = 1e-1
+        b = g(x)
+        assert torch.allclose(b, m(x), rtol=1e-4, atol=1e-5) and not torch.allclose(a, b, rtol=1e-2)
