@@ -136,8 +136,9 @@ class _Binding:
     def __init__(self, opmod, module, spec, indices: list, defaults: tuple, attrs: dict, getters=(),
                  device_index: int | None = None):
         self.opmod, self.module, self.spec, self.attrs = opmod, module, spec, attrs
-        # Inputs the user's code did not pass (rmsnorm's weight of ones) are made once, here.
-        self.slots = [(i, d) for i, d in zip(indices, defaults, strict=True)]
+        # Inputs the user's code did not pass (rmsnorm's weight of ones) are made once, here; the first
+        # call's own tensors are not kept (that would hold the caller's memory for the binding's life).
+        self.slots = [(i, d if i is None else None) for i, d in zip(indices, defaults, strict=True)]
         self.getters = tuple(getters)  # module parameters, fetched on every call (they may be reassigned)
         self.device_index = device_index
         self._identity = list(indices) == list(range(len(indices)))  # inputs are the call's tensors as-is

@@ -352,3 +352,17 @@ def test_scalar_globals_and_module_attributes_are_part_of_the_signature(monkeypa
         m.eps = 1e-1
         b = g(x)
         assert torch.allclose(b, m(x), rtol=1e-4, atol=1e-5) and not torch.allclose(a, b, rtol=1e-2)
+
+
+def test_a_binding_keeps_only_the_inputs_it_made():
+    """The first call's tensors are not held by the binding (only rmsnorm's made-up weight of ones)."""
+    import weakref
+
+    from forge.shim import _Binding
+
+    x = torch.randn(4, 8)
+    b = _Binding(None, None, None, [0, None], (x, torch.ones(8)), {})
+    ref = weakref.ref(x)
+    del x
+    assert ref() is None
+    assert b.slots[0] == (0, None) and torch.equal(b.slots[1][1], torch.ones(8))
