@@ -207,6 +207,26 @@ def row_default(spec) -> Candidate:
     return Candidate.make("looped", BLOCK_N=4096, num_warps=8, num_stages=2 if spec.device == "cuda" else 1)
 
 
+def last_dim_unary_spec(name: str, shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None):
+    """The spec of a one-input op over the last dimension whose only attribute is dim (softmax,
+    log_softmax): dim normalised to -1, anything else refused with a reason."""
+    from forge.spec import KernelSpec, TensorSpec
+
+    a = {"dim": -1, **(attrs or {})}
+    unknown = set(a) - {"dim"}
+    if unknown:
+        raise ValueError(f"{name} takes attributes ['dim'], not {sorted(unknown)}")
+    if int(a["dim"]) not in (-1, len(shape) - 1):
+        raise ValueError(f"{name} kernels reduce over the last dimension only, not dim={a['dim']}")
+    a["dim"] = -1
+    return KernelSpec(name, (TensorSpec(shape, dtype, device=device),), a)
+
+
+def unary_inputs(spec, seed: int, distribution: str = "normal") -> tuple:
+    x = spec.inputs[0]
+    return (random_tensor(x.shape, x.dtype, x.device, generator(seed, x.device), distribution),)
+
+
 def row_render_context(spec, cand: Candidate, op: str) -> dict[str, Any]:
     _, n = rows_cols(spec)
     ctx = dict(cand.p)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forge.spec import KernelSpec, TensorSpec
+from forge.spec import KernelSpec
 from forge_cli import opkit
 
 NAME = "log_softmax"
@@ -12,19 +12,10 @@ DEFAULT_ATTRS = {"dim": -1}
 
 
 def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:
-    a = {**DEFAULT_ATTRS, **(attrs or {})}
-    unknown = set(a) - set(DEFAULT_ATTRS)
-    if unknown:
-        raise ValueError(f"log_softmax takes attributes {sorted(DEFAULT_ATTRS)}, not {sorted(unknown)}")
-    if int(a["dim"]) not in (-1, len(shape) - 1):
-        raise ValueError(f"log_softmax kernels reduce over the last dimension only, not dim={a['dim']}")
-    a["dim"] = -1
-    return KernelSpec(NAME, (TensorSpec(shape, dtype, device=device),), a)
+    return opkit.last_dim_unary_spec(NAME, shape, dtype, device, attrs)
 
 
-def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
-    x = spec.inputs[0]
-    return (opkit.random_tensor(x.shape, x.dtype, x.device, opkit.generator(seed, x.device), distribution),)
+make_inputs = opkit.unary_inputs
 
 
 def reference(inputs, attrs):
@@ -44,6 +35,8 @@ def alloc_output(inputs, spec: KernelSpec):
 
 
 def run(module, inputs, out, attrs) -> None:
+    # Defined here, not shared through opkit: `forge export` copies alloc_output/run into a module that
+    # runs without forge.
     x = inputs[0]
     n = x.shape[-1]
     module.launch(x.reshape(-1, n), out.view(-1, n))
