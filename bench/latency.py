@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,17 +45,50 @@ def gelu_fn(x):
     return F.gelu(x)
 
 
-def per_call_us(fn, args, calls: int) -> float:
+def per_call_us(fn, args, calls: int, repeats: int = 3) -> float:
+    """Median over `repeats` host loops of `calls` calls, each loop closed by one synchronize."""
     import torch
 
     for _ in range(50):
         fn(*args)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn(*args)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    loops = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        torch.cuda.synchronize()
+        loops.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(loops)[len(loops) // 2]
+
+
+def breakdown(opt, binding, call_args, calls: int) -> dict[str, float]:
+    """Where a cache hit's time goes, piece by piece (µs per call, same loop as per_call_us)."""
+    from forge import launch
+
+    inputs = tuple(call_args)
+    plan = binding.plan
+    out = binding.opmod.alloc_output(inputs, binding.spec)
+    tensors = (*inputs, out)
+    wrapper = launch.Plan(plan.launches, plan.device_index, direct=False)
+    key = next(iter(opt._bound))
+    hit = opt._bound[key]
+    parts = {"python-call": per_call_us(lambda *a: None, call_args, calls),
+             "alloc-output": per_call_us(lambda *a: binding.opmod.alloc_output(a, binding.spec), inputs, calls),
+             "plan-usable": per_call_us(lambda *a: plan.usable(), (), calls),
+             "fire-c-direct": per_call_us(lambda *a: plan(tensors), (), calls),
+             "fire-launcher-object": per_call_us(lambda *a: wrapper(tensors), (), calls)}
+    opt._bound[key] = (lambda tensors, root=None: None, hit[1])  # key + lookup, no launch
+    try:
+        parts["shim-key-lookup"] = per_call_us(opt, call_args, calls)
+    finally:
+        opt._bound[key] = hit
+    binding.plan = wrapper
+    try:
+        parts["forge-launcher-object"] = per_call_us(opt, call_args, calls)
+    finally:
+        binding.plan = plan
+    return {k: round(v, 2) for k, v in parts.items()}
 
 
 def device_us(fn, args, n: int = 200) -> float:
@@ -77,9 +111,11 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--budget", type=int, default=30)
     ap.add_argument("--ops", default="rmsnorm,softmax,gelu", help="comma-separated subset")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="forge cache dir (default: a fresh temporary one, kept out of --out)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    os.environ["FORGE_CACHE_DIR"] = str(args.out / "cache")
+    os.environ["FORGE_CACHE_DIR"] = str(args.cache or tempfile.mkdtemp(prefix="forge-latency-"))
     import torch
     import torch.nn.functional as F
 
@@ -130,6 +166,8 @@ def main() -> int:
                 plan, binding.plan = binding.plan, None
                 timings["forge-jit"] = per_call_us(opt, call_args, args.calls)
                 binding.plan = plan
+                if plan is not None and shape[0] == 1:
+                    row["breakdown_us"] = breakdown(opt, binding, call_args, args.calls)
             row["per_call_us"] = {k: round(v, 2) for k, v in timings.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -152,6 +190,9 @@ def main() -> int:
         print(f"{r['op']:8} {r['shape']:10} {r['uses']:6} {launch:9} "
               + " ".join(f"{t.get(c, float('nan')):>11.2f}" for c in cols)
               + f" {r.get('forge_device_us', float('nan')):>7.2f}")
+    for r in rows:
+        if "breakdown_us" in r:
+            print(f"breakdown {r['op']} {r['shape']}: " + ", ".join(f"{k} {v}" for k, v in r["breakdown_us"].items()))
     return 0
 
 

@@ -21,6 +21,7 @@ Anything else: no plan, and the binding keeps using the JIT path (`Plan.refused`
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -55,15 +56,108 @@ class _Launch:
     slots: tuple[tuple[int, int], ...]  # (argument position, index into inputs + (out,))
 
 
+# Triton's launcher object (CudaLauncher) is a Python wrapper: its __call__ allocates scratch memory
+# (none when the kernel's scratch sizes are 0) and forwards to a C function, `self.launch`, in an
+# argument order that differs between versions. Calling that C function directly skips the wrapper.
+# The order is trusted only when the wrapper's source contains exactly one of these calls (whitespace
+# ignored); `build` then proves the direct replay bit for bit, else the wrapper is called as recorded.
+_C_LAYOUTS = {
+    # triton 3.6: the kernel's packed metadata, launch metadata and hooks travel in *args
+    "args": ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, "
+             "self.launch_pdl, global_scratch, profile_scratch, *args)"),
+    # triton 3.9: one generic C launcher fed the argument annotations and the kernel args as a tuple
+    "tuple": ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, "
+              "self.launch_pdl, kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, "
+              "global_scratch, profile_scratch, self.arg_annotations, self.kernel_signature, kernel_args)"),
+}
+
+
+def _squeeze(text: str) -> str:
+    return "".join(text.split())
+
+
+@functools.cache
+def wrapper_layout(cls) -> str | None:
+    """Which _C_LAYOUTS call a launcher class's __call__ makes (exactly one, else None)."""
+    import inspect
+
+    try:
+        src = _squeeze(inspect.getsource(cls.__call__))
+    except (OSError, TypeError, AttributeError):
+        return None
+    found = [name for name, text in _C_LAYOUTS.items() if _squeeze(text) in src]
+    return found[0] if len(found) == 1 else None
+
+
+def c_layout(launcher) -> str | None:
+    """The C layout to call this launcher's `launch` with, or None (unknown wrapper, scratch memory
+    needed, sanitizer on): then the wrapper itself is called."""
+    if getattr(launcher, "global_scratch_size", 1) != 0 or getattr(launcher, "profile_scratch_size", 1) != 0:
+        return None
+    if getattr(launcher, "gsan_enabled", False):  # 3.9's sanitizer appends arguments of its own
+        return None
+    if not callable(getattr(launcher, "launch", None)):
+        return None
+    return wrapper_layout(type(launcher))
+
+
+def _call_form(ln: _Launch, direct: bool) -> tuple[Any, tuple, bool]:
+    """(callable, the arguments between the stream and the kernel's, kernel args packed in one tuple?)."""
+    layout = c_layout(ln.launcher) if direct else None
+    if layout == "args":
+        lc = ln.launcher
+        return lc.launch, (ln.function, lc.launch_cooperative_grid, lc.launch_pdl, None, None,
+                           ln.packed_metadata, None, None, None), False
+    if layout == "tuple":
+        lc = ln.launcher
+        return lc.launch, (ln.function, lc.launch_cooperative_grid, lc.launch_pdl, ln.packed_metadata,
+                           None, None, None, None, None, lc.arg_annotations, lc.kernel_signature), True
+    # the wrapper, as JITFunction.run calls it, with launch metadata and (inactive) hooks as None
+    return ln.launcher, (ln.function, ln.packed_metadata, None, None, None), False
+
+
+def _compile_fire(launches: list[_Launch], direct: bool):
+    """One Python function `fire(stream, tensors)` making every recorded launch with new tensors.
+
+    Generated so that a call is a handful of bytecodes: no per-call list building or slot loop
+    (measured on the H200 host: see docs/notes.md, "cache-hit latency"). Pointers are passed as ints
+    (`data_ptr()`): Triton's C launcher then skips its own data_ptr call and its cuPointerGetAttribute
+    check, which the call signature already guarantees (CUDA tensors on this device). The generated
+    text holds only names and integer indices; values live in the function's globals."""
+    env: dict[str, Any] = {}
+    body = []
+    via = set()
+    for i, ln in enumerate(launches):
+        fn, mid, packed = _call_form(ln, direct)
+        via.add("C launch function" if fn is not ln.launcher else "launcher object")
+        env[f"f{i}"], env[f"m{i}"] = fn, mid
+        slot_of = dict(ln.slots)
+        kargs = []
+        for pos, v in enumerate(ln.args):
+            if pos in slot_of:
+                kargs.append(f"t[{slot_of[pos]}].data_ptr()")
+            else:
+                env[f"a{i}_{pos}"] = v
+                kargs.append(f"a{i}_{pos}")
+        grid = ", ".join(str(int(g)) for g in ln.grid)
+        joined = ", ".join(kargs)
+        tail = f"({joined},)" if packed else joined
+        body.append(f"    f{i}({grid}, stream, *m{i}{', ' if tail else ''}{tail})")
+    src = "def fire(stream, t):\n" + ("\n".join(body) if body else "    pass") + "\n"
+    exec(compile(src, "<forge.launch plan>", "exec"), env)  # noqa: S102 - our own text, see docstring
+    return env["fire"], src, " + ".join(sorted(via)) or "nothing"
+
+
 class Plan:
     """Replays recorded launches with new tensors of the same signature."""
 
-    def __init__(self, launches: list[_Launch], device_index: int):
+    def __init__(self, launches: list[_Launch], device_index: int, direct: bool = True):
         import torch
         from triton import knobs
 
         self.launches = launches
         self.device_index = device_index
+        self._fire, self.source, self.via = _compile_fire(launches, direct)
         self._stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent on CPU-only builds
         # torch._C._cuda_getDevice is what torch.cuda.current_device() returns, minus a Python frame
         self._current_device = getattr(torch._C, "_cuda_getDevice", None)
@@ -77,12 +171,7 @@ class Plan:
                 and self._current_device() == self.device_index)
 
     def __call__(self, tensors: tuple) -> None:
-        stream = self._stream(self.device_index)
-        for ln in self.launches:
-            args = ln.args.copy()
-            for pos, src in ln.slots:
-                args[pos] = tensors[src]
-            ln.launcher(*ln.grid, stream, ln.function, ln.packed_metadata, None, None, None, *args)
+        self._fire(self._stream(self.device_index), tensors)
 
 
 def _compiled_kernel_class():
@@ -95,8 +184,8 @@ def _compiled_kernel_class():
     return CompiledKernel
 
 
-def record(run_once, inputs: tuple, out, device_index: int) -> Plan:
-    """Run `run_once(out)` (the JIT path into `out`) under recording and build a Plan; raise Refused."""
+def record(run_once, inputs: tuple, out, device_index: int) -> list[_Launch]:
+    """Run `run_once(out)` (the JIT path into `out`) under recording; the launches, or raise Refused."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -136,7 +225,7 @@ def record(run_once, inputs: tuple, out, device_index: int) -> Plan:
     if not calls:
         raise Refused("launch() made no CompiledKernel launch")
     stream = torch._C._cuda_getCurrentRawStream(device_index)
-    return Plan([check_call(ck, launcher, a, (*inputs, out), stream) for ck, launcher, a in calls], device_index)
+    return [check_call(ck, launcher, a, (*inputs, out), stream) for ck, launcher, a in calls]
 
 
 def check_call(ck, launcher, a: tuple, pool: tuple, stream_now: int) -> _Launch:
@@ -182,16 +271,30 @@ def same_bits(a, b) -> bool:
 
 def build(binding_run, alloc, inputs: tuple, first_out, device_index: int) -> Plan:
     """Record the JIT path's launches and prove the replay reproduces `first_out` (the output of
-    the call just made through the JIT path on the same inputs); raise Refused otherwise."""
+    the call just made through the JIT path on the same inputs); raise Refused otherwise.
+
+    The direct C launch is tried first; if its replay raises a TypeError (the C function parsed its
+    arguments differently than the layout says) or differs in any bit, the launcher objects are
+    replayed instead, and only if that fails too is the plan refused."""
     import torch
 
     again = alloc()
-    plan = record(binding_run, inputs, again, device_index)
+    launches = record(binding_run, inputs, again, device_index)
     if not same_bits(again, first_out):
         raise Refused("a second JIT run gave different bits (non-deterministic kernel)")
-    replayed = alloc()
-    plan((*inputs, replayed))
-    torch.cuda.synchronize(device_index)
-    if not same_bits(replayed, first_out):
-        raise Refused("the replayed launches did not reproduce the JIT path's output")
-    return plan
+    failures = []
+    for direct in (True, False):
+        plan = Plan(launches, device_index, direct=direct)
+        if direct and plan.via == "launcher object":
+            continue  # no C layout recognised: the second round is the same plan
+        replayed = alloc()
+        try:
+            plan((*inputs, replayed))
+        except TypeError as exc:  # argument parsing in Triton's C launcher
+            failures.append(f"{plan.via}: {exc}")
+            continue
+        torch.cuda.synchronize(device_index)
+        if same_bits(replayed, first_out):
+            return plan
+        failures.append(f"{plan.via}: the replayed launches did not reproduce the JIT path's output")
+    raise Refused("; ".join(failures))

@@ -40,7 +40,8 @@ class Explanation:
     key: str | None = None
     variant: str | None = None
     params: dict | None = None
-    # How the kernel is launched once bound: "compiled" (recorded CompiledKernel launches, forge/launch.py),
+    # How the kernel is launched once bound: "compiled (C launch function)" or "compiled (launcher object)"
+    # (recorded CompiledKernel launches replayed, forge/launch.py),
     # "jit" (Triton's JIT dispatch, with the reason the compiled path was refused), or None (not yet called).
     launch: str | None = None
 
@@ -175,7 +176,7 @@ class _Binding:
                 self.plan = launch.build(lambda o: self.opmod.run(self.module, inputs, o, self.attrs),
                                          lambda: self.opmod.alloc_output(inputs, self.spec), inputs, out,
                                          self.device_index)
-                self.launch = "compiled"
+                self.launch = f"compiled ({self.plan.via})"
             except launch.Refused as exc:
                 self.launch = f"jit ({exc})"
 

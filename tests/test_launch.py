@@ -77,7 +77,9 @@ def test_plan_replays_with_new_tensors_on_the_current_stream():
     assert len(seen) == 2
     a = seen[0]
     assert a[:9] == (3, 1, 1, 11, ck.function, ck.packed_metadata, None, None, None)
-    assert a[9] is x2 and a[10] is w2 and a[11] is out2 and a[12] == 8
+    # pointers go as ints (the C launcher then skips data_ptr() and cuPointerGetAttribute)
+    assert a[9:] == (x2.data_ptr(), w2.data_ptr(), out2.data_ptr(), 8)
+    assert plan.via == "launcher object"
 
 
 def test_plan_is_not_used_under_launch_hooks_or_another_device(monkeypatch):
@@ -109,3 +111,143 @@ def test_same_bits():
     assert not launch.same_bits(a, torch.tensor([1.0, float("nan"), -0.0]))
     assert not launch.same_bits(a, a.double())
     assert launch.same_bits(torch.tensor(3), torch.tensor(3))
+
+
+# --- direct C launch: the wrapper's forwarding, reproduced --------------------------------------------
+# Stand-ins for Triton's CudaLauncher of 3.6 ("args") and 3.9 ("tuple"): the same forwarding calls,
+# recording what reaches the C function. The direct plan must hand the C function exactly what the
+# wrapper would.
+
+class Launcher36:
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.seen = []
+        self.launch = lambda *a: self.seen.append(a)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    global_scratch, profile_scratch, *args)
+
+
+class Launcher39:
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = True, False
+    gsan_enabled = False
+    arg_annotations, kernel_signature = ("ann",), b"sig"
+
+    def __init__(self):
+        self.seen = []
+        self.launch = lambda *a: self.seen.append(a)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                 launch_enter_hook, launch_exit_hook, *args):
+        global_scratch = profile_scratch = None
+        kernel_args = args
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, global_scratch,
+                    profile_scratch, self.arg_annotations, self.kernel_signature, kernel_args)
+
+
+@pytest.mark.parametrize(("cls", "layout"), [(Launcher36, "args"), (Launcher39, "tuple")])
+def test_direct_plan_hands_the_c_function_what_the_wrapper_would(cls, layout):
+    x, w, out = torch.randn(4, 8), torch.randn(8), torch.empty(4, 8)
+    ck = FakeCK()
+    lc = cls()
+    assert launch.c_layout(lc) == layout
+    rec = launch.check_call(ck, lc, _call(ck, 7, x, w, out, 8, 1e-6, None), (x, w, out), 7)
+    direct = launch.Plan([rec, rec], device_index=0)
+    wrapped = launch.Plan([rec], device_index=0, direct=False)
+    assert direct.via == "C launch function" and wrapped.via == "launcher object"
+    for plan in (direct, wrapped):
+        plan._stream = lambda dev: 11
+    x2, w2, out2 = torch.randn(4, 8), torch.randn(8), torch.empty(4, 8)
+    direct((x2, w2, out2))
+    assert len(lc.seen) == 2 and lc.seen[0] == lc.seen[1]
+    wrapped((x2, w2, out2))
+    assert len(lc.seen) == 3 and lc.seen[2] == lc.seen[0]
+    ptrs = (x2.data_ptr(), w2.data_ptr(), out2.data_ptr(), 8, 1e-6, None)
+    assert ptrs in (lc.seen[0][-6:], lc.seen[0][-1])  # spread (3.6) or one tuple (3.9)
+
+
+@pytest.mark.parametrize("change", ["scratch", "profile", "gsan", "no_launch", "unknown_wrapper"])
+def test_launchers_that_are_not_known_layouts_are_called_through_the_wrapper(change):
+    lc = Launcher39()
+    if change == "scratch":
+        lc.global_scratch_size = 128
+    elif change == "profile":
+        lc.profile_scratch_size = 64
+    elif change == "gsan":
+        lc.gsan_enabled = True
+    elif change == "no_launch":
+        lc.launch = None
+    else:
+        class Other(Launcher39):
+            def __call__(self, *a):  # forwards in an order forge has not read
+                self.launch(*reversed(a))
+        lc = Other()
+    assert launch.c_layout(lc) is None
+    ck = FakeCK()
+    x, out = torch.randn(4, 8), torch.empty(4, 8)
+    rec = launch.check_call(ck, lc, _call(ck, 7, x, out, 8), (x, out), 7)
+    assert launch.Plan([rec], device_index=0).via == "launcher object"
+
+
+def test_installed_triton_has_a_known_launcher_layout():
+    """triton 3.6 forwards *args, 3.9 packs a tuple; a release that changes the forwarding fails here in CI
+    first (at run time the wrapper is called instead, so users only lose the saving)."""
+    import triton
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    expected = "args" if triton.__version__.startswith("3.6") else "tuple"
+    assert launch.wrapper_layout(CudaLauncher) == expected
+
+
+def test_build_falls_back_to_the_wrapper_when_the_direct_replay_fails(monkeypatch):
+    """A C function that rejects the direct arguments (TypeError) or computes something else: the
+    launcher objects are replayed; both failing refuses the plan with both reasons."""
+    x, out = torch.randn(4, 8), torch.empty(4, 8)
+    ck = FakeCK()
+
+    class Picky(Launcher36):
+        def __init__(self, direct_ok: bool, wrapper_ok: bool):
+            super().__init__()
+            self.direct_ok, self.wrapper_ok, self.via_wrapper = direct_ok, wrapper_ok, False
+
+            def c_launch(*a):
+                ok = self.wrapper_ok if self.via_wrapper else self.direct_ok
+                if not ok:
+                    raise TypeError("function takes exactly 13 arguments")
+                # the "kernel": doubles its input, or triples it when the direct arguments mislead it
+                self.dst.copy_(self.src * (2 if self.via_wrapper or self.direct_ok != "wrong" else 3))
+            self.launch = c_launch
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # Launcher36's, noting the caller
+            self.via_wrapper = True
+            global_scratch = profile_scratch = None
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                        global_scratch, profile_scratch, *args)
+            self.via_wrapper = False
+
+    def run_case(direct_ok, wrapper_ok):
+        lc = Picky(direct_ok, wrapper_ok)
+        rec = launch.check_call(ck, lc, _call(ck, 7, x, out, 8), (x, out), 7)
+        monkeypatch.setattr(launch, "record", lambda run_once, inputs, o, dev: (run_once(o), [rec])[1])
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 7, raising=False)
+        first = x * 2
+        outs = []
+
+        def alloc():
+            outs.append(torch.zeros(4, 8))
+            lc.dst, lc.src = outs[-1], x
+            return outs[-1]
+        return launch.build(lambda o: o.copy_(x * 2), alloc, (x,), first, 0)
+
+    assert run_case(True, True).via == "C launch function"
+    assert run_case(False, True).via == "launcher object"
+    assert run_case("wrong", True).via == "launcher object"
+    with pytest.raises(launch.Refused, match="C launch function: function takes.*launcher object: function takes"):
+        run_case(False, False)

@@ -1,0 +1,119 @@
+"""One device call's worth of GPU checks and timings, rerunnable by anyone on a CUDA machine.
+
+Usage (on the GPU machine, from the repo root):
+    PYTHONPATH=. python3 bench/h200_session.py --out DIR [--parts tests,latency,suite] [--budget 6]
+
+Parts (each a subprocess with its own time limit; a part that fails or times out is reported, the
+next one still runs):
+  tests     the GPU test tier, `python3 -m pytest -m gpu tests/` (junit XML to DIR/gpu-tests.xml)
+  latency   bench/latency.py (the shim's per-call cost on a cache hit, with its breakdown) -> DIR/latency.json
+  suite     `forge search --manifest bench/suite.toml --devices 0 --json` -> DIR/suite.json
+Forge caches live in a temporary directory, never under DIR (the device tool brings back few files).
+The last thing printed is one table of every part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+FORGE = [sys.executable, "-c", "import sys; from forge_cli.cli import main; sys.argv[0] = 'forge'; main()"]
+
+
+def run(cmd: list[str], limit: float, log) -> tuple[int | str, float]:
+    t0 = time.monotonic()
+    print("$", " ".join(cmd), flush=True)
+    try:
+        rc: int | str = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit).returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timeout after {limit:.0f} s"
+    return rc, time.monotonic() - t0
+
+
+def tests(out: Path, work: Path, args) -> list[str]:
+    xml = out / "gpu-tests.xml"
+    rc, wall = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                    f"--junitxml={xml}", "tests/"], args.tests_limit, sys.stdout)
+    lines = [f"tests: rc {rc}, {wall:.0f} s"]
+    if xml.exists():
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            status = "passed"
+            for tag in ("failure", "error", "skipped"):
+                el = case.find(tag)
+                if el is not None:
+                    status = f"{tag}: {(el.get('message') or '')[:150]}"
+            lines.append(f"  {case.get('classname')}::{case.get('name')} {float(case.get('time', 0)):.1f}s {status}")
+    return lines
+
+
+def latency(out: Path, work: Path, args) -> list[str]:
+    rc, wall = run([sys.executable, "bench/latency.py", "--out", str(work / "latency"), "--budget",
+                    str(args.budget), "--cache", str(work / "latency-cache")], args.latency_limit, sys.stdout)
+    lines = [f"latency: rc {rc}, {wall:.0f} s"]
+    src = work / "latency" / "latency.json"
+    if src.exists():
+        (out / "latency.json").write_text(src.read_text())
+        for r in json.loads(src.read_text())["rows"]:
+            t = r.get("per_call_us", {})
+            lines.append(f"  {r['op']:8} {r['shape']:10} {r['uses']:6} {str(r['launch'])[:34]:34} "
+                         + " ".join(f"{k} {v}" for k, v in t.items()))
+            if "breakdown_us" in r:
+                lines.append("    breakdown: " + ", ".join(f"{k} {v}" for k, v in r["breakdown_us"].items()))
+    return lines
+
+
+def suite(out: Path, work: Path, args) -> list[str]:
+    dst = out / "suite.json"
+    with open(dst, "w") as fh:
+        t0 = time.monotonic()
+        cmd = [*FORGE, "search", "--manifest", "bench/suite.toml", "--devices", "0", "--budget",
+               str(args.budget), "--json", "--cache", str(work / "suite.db")]
+        print("$", " ".join(cmd), flush=True)
+        try:
+            rc: int | str = subprocess.run(cmd, stdout=fh, timeout=args.suite_limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {args.suite_limit:.0f} s"
+        wall = time.monotonic() - t0
+    lines = [f"suite: rc {rc}, {wall:.0f} s"]
+    try:
+        doc = json.loads(dst.read_text())
+    except json.JSONDecodeError:
+        return [*lines, "  (no JSON summary)"]
+    lines[0] += f" (forge wall {doc.get('wall_s')} s, {doc.get('failed')} failed)"
+    for e in doc.get("entries", []):
+        lines.append(f"  {e['op']:13} {e['shape']:20} {e['dtype']:9} {e['status']:9} {str(e['decision']):6} "
+                     f"{e.get('p50_us') or 0:9.2f} us vs eager {e.get('eager_p50_us') or 0:9.2f} us "
+                     f"({e.get('speedup') or 0:.2f}x) {e.get('winner')} {e.get('error') or ''}")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--parts", default="tests,latency,suite")
+    ap.add_argument("--budget", type=int, default=6)
+    ap.add_argument("--tests-limit", type=float, default=420)
+    ap.add_argument("--latency-limit", type=float, default=240)
+    ap.add_argument("--suite-limit", type=float, default=420)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    work = Path(tempfile.mkdtemp(prefix="forge-h200-"))
+    os.environ.setdefault("FORGE_CACHE_DIR", str(work / "cache"))
+    parts = {"tests": tests, "latency": latency, "suite": suite}
+    summary: list[str] = []
+    for name in args.parts.split(","):
+        summary += parts[name](args.out, work, args)
+    print("\n".join(["", "=" * 30 + " summary " + "=" * 30, *summary]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
