@@ -62,6 +62,61 @@ def per_call_us(fn, args, calls: int, repeats: int = 3) -> float:
     return sorted(loops)[len(loops) // 2]
 
 
+def probes(binding, inputs, tensors, calls: int) -> dict[str, float]:
+    """Alternatives to pieces of the hot path, timed the same way (not used by forge unless they win)."""
+    import torch
+
+    from forge import launch, shim
+
+    x = inputs[0]
+    shape, dtype, device = tuple(x.shape), x.dtype, x.device
+    res = {"alloc-empty": per_call_us(lambda: torch.empty(shape, dtype=dtype, device=device), (), calls),
+           "alloc-new-empty": per_call_us(lambda: x.new_empty(shape), (), calls),
+           "key-one-tensor": per_call_us(lambda: shim._tensor_sig(x), (), calls),
+           "stream-query": per_call_us(lambda: torch._C._cuda_getCurrentRawStream(binding.device_index), (), calls)}
+    (ln,) = binding.plan.launches if len(binding.plan.launches) == 1 else (None,)
+    if ln is None:
+        return res
+    # Triton's C launch with every argument precomputed: the floor of that path.
+    fn, mid, packed = launch._call_form(ln, direct=True)
+    ptrs = {pos: tensors[src].data_ptr() for pos, src in ln.slots}
+    kargs = tuple(ptrs.get(i, v) for i, v in enumerate(ln.args))
+    stream = torch._C._cuda_getCurrentRawStream(binding.device_index)
+    if packed:
+        res["c-launch-precomputed"] = per_call_us(lambda: fn(*ln.grid, stream, *mid, kargs), (), calls)
+    else:
+        res["c-launch-precomputed"] = per_call_us(lambda: fn(*ln.grid, stream, *mid, *kargs), (), calls)
+    # torch inductor's static CUDA launcher (C++ in torch), on the same cubin.
+    try:
+        try:
+            from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel as SK
+        except ImportError:
+            from torch._inductor.runtime.static_cuda_launcher import StaticallyLaunchedCudaKernel as SK
+        ck = ln.kernel
+        if not hasattr(ck, "_cubin_path"):
+            ck._cubin_path = None
+        k = SK(ck)
+        k.reload_cubin_from_raw(os.path.join(tempfile.mkdtemp(), "k.cubin"))
+        k.load_kernel(binding.device_index)
+        names, sig = ck.src.fn.arg_names, ck.src.signature
+        keep = [i for i, n in enumerate(names)
+                if sig.get(n, sig.get(i)) != "constexpr" and i not in k.full_constexprs]
+        sargs = [kargs[i] for i in keep]
+        out2 = torch.empty_like(tensors[-1])
+        sargs2 = [out2.data_ptr() if kargs[i] == tensors[-1].data_ptr() else kargs[i] for i in keep]
+        k.run(*ln.grid, stream, *sargs2)
+        torch.cuda.synchronize()
+        res["torch-static-same-bits"] = float(launch.same_bits(out2, tensors[-1]))
+        res["torch-static-launch"] = per_call_us(lambda: k.run(*ln.grid, stream, *sargs), (), calls)
+        c_impl, fnh, nw, sh, tys = k.C_impl, k.function, k.num_warps, k.shared, k.arg_tys
+        targs = tuple(sargs)
+        res["torch-static-c"] = per_call_us(
+            lambda: c_impl._launch_kernel(fnh, *ln.grid, nw, sh, tys, targs, stream), (), calls)
+    except Exception as exc:  # noqa: BLE001 - a probe of a private torch API: report, do not fail the bench
+        print(f"torch static launcher probe failed: {type(exc).__name__}: {exc}", flush=True)
+    return res
+
+
 def breakdown(opt, binding, call_args, calls: int) -> dict[str, float]:
     """Where a cache hit's time goes, piece by piece (µs per call, same loop as per_call_us)."""
     from forge import launch
@@ -78,6 +133,7 @@ def breakdown(opt, binding, call_args, calls: int) -> dict[str, float]:
              "plan-usable": per_call_us(lambda *a: plan.usable(), (), calls),
              "fire-c-direct": per_call_us(lambda *a: plan(tensors), (), calls),
              "fire-launcher-object": per_call_us(lambda *a: wrapper(tensors), (), calls)}
+    parts.update(probes(binding, inputs, tensors, calls))
     opt._bound[key] = (lambda tensors, root=None: None, hit[1])  # key + lookup, no launch
     try:
         parts["shim-key-lookup"] = per_call_us(opt, call_args, calls)

@@ -54,6 +54,7 @@ class _Launch:
     packed_metadata: Any
     args: list  # kernel arguments, tensors replaced by None
     slots: tuple[tuple[int, int], ...]  # (argument position, index into inputs + (out,))
+    kernel: Any = None  # the CompiledKernel itself (for diagnostics and bench/latency.py's probes)
 
 
 # Triton's launcher object (CudaLauncher) is a Python wrapper: its __call__ allocates scratch memory
@@ -162,12 +163,16 @@ class Plan:
         # torch._C._cuda_getDevice is what torch.cuda.current_device() returns, minus a Python frame
         self._current_device = getattr(torch._C, "_cuda_getDevice", None)
         self._runtime = knobs.runtime
+        self._chain = getattr(knobs, "HookChain", None)
 
     def usable(self) -> bool:
         """False when a profiler installed Triton launch hooks or the current device changed: the
         JIT path then does the launch (the hooks must see it; Triton launches on the current device)."""
-        rt = self._runtime
-        return (hook_inactive(rt.launch_enter_hook) and hook_inactive(rt.launch_exit_hook)
+        rt, chain = self._runtime, self._chain
+        e, x = rt.launch_enter_hook, rt.launch_exit_hook
+        # hook_inactive, inlined for the common case (an empty HookChain): this runs on every call
+        return ((e is None or (type(e) is chain and not e.calls) or hook_inactive(e))
+                and (x is None or (type(x) is chain and not x.calls) or hook_inactive(x))
                 and self._current_device() == self.device_index)
 
     def __call__(self, tensors: tuple) -> None:
@@ -257,7 +262,7 @@ def check_call(ck, launcher, a: tuple, pool: tuple, stream_now: int) -> _Launch:
             args.append(v)
         else:
             raise Refused(f"kernel argument {pos} is a {type(v).__name__}, not a tensor or a scalar")
-    return _Launch(launcher, (gx, gy, gz), function, packed, args, tuple(slots))
+    return _Launch(launcher, (gx, gy, gz), function, packed, args, tuple(slots), ck)
 
 
 def same_bits(a, b) -> bool:
