@@ -105,6 +105,34 @@ def test_shim_compiled_launch_replays_the_jit_path_bit_for_bit(tuned_rmsnorm):
     assert torch.allclose(y3.double(), _rms(x3.double(), w.double()), rtol=2e-3, atol=1e-3)
 
 
+def test_shim_kernel_replays_inside_a_cuda_graph(tuned_rmsnorm):
+    """A host-bound decode loop is captured in a CUDA graph; a bound forge kernel (warmed up first, as
+    torch.compile's are) must be capturable: it launches on the capturing stream, allocates its output
+    from the graph's pool, and each replay recomputes from the static input's new contents."""
+    import torch
+
+    import forge
+
+    f = forge.optimize(_rms, search=False)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
+    w = torch.randn(4096, device="cuda", dtype=torch.float16)
+    f(x, w)  # first call: bind, JIT, record the launch plan (recording synchronizes: not capturable)
+    assert forge.explain(f, x, w).launch == "compiled (C launch function)"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        f(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = f(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(y.double(), _rms(x.double(), w.double()), rtol=2e-3, atol=1e-3)
+
+
 def test_shim_module_and_load_on_cuda(tuned_rmsnorm):
     import torch
 
