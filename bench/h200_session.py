@@ -15,6 +15,7 @@ The last thing printed is one table of every part.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import subprocess
@@ -87,6 +88,16 @@ def suite(out: Path, work: Path, args) -> list[str]:
     except json.JSONDecodeError:
         return [*lines, "  (no JSON summary)"]
     lines[0] += f" (forge wall {doc.get('wall_s')} s, {doc.get('failed')} failed)"
+    # `forge search --json` reports jobs, not the machine: add what a results file must carry.
+    import torch
+
+    from forge.env import collect_env
+
+    env = collect_env("cuda" if torch.cuda.is_available() else "interpreter")
+    header = {k: env.get(k) for k in ("gpu", "driver", "cuda", "torch", "triton", "forge")}
+    header.update(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), python=sys.version.split()[0],
+                  command="forge " + " ".join(cmd[3:]).replace(str(work), "DIR"))
+    dst.write_text(json.dumps({**header, **doc}, indent=2))
     for e in doc.get("entries", []):
         lines.append(f"  {e['op']:13} {e['shape']:20} {e['dtype']:9} {e['status']:9} {str(e['decision']):6} "
                      f"{e.get('p50_us') or 0:9.2f} us vs eager {e.get('eager_p50_us') or 0:9.2f} us "
