@@ -135,8 +135,10 @@ def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
     whose dominant key has a near-zero v while many large-v keys carry such weights is off by ~2.4e-3
     relative (seen on the H200: 1-2 elements of 4M, fp16 'large', Skv=1024, flash_split 128x64), the
     rounding every fp16 FlashAttention does. With v >= s/2 the dominant key's v is never tiny, and that
-    term stays near 2^-25 * Skv * (typical v / (s/2)) relative, ~1e-4 at Skv = 4096. (A floor of s
-    instead of s/2 with v in [s, 2s] made the fp16 bound too loose to catch a 1% scale error.) q.k stays within |logit| ~ 1e3: a logit carries an absolute error of
+    term stays under 2^-25 * Skv * (typical v / (s/2)) relative, ~3e-4 at Skv = 4096 even if every weight
+    were subnormal. (A floor of s, v in [s, 2s], made the fp16 bound too loose to catch a 1% scale error.)
+
+    q.k stays within |logit| ~ 1e3: a logit carries an absolute error of
     ~2^-24 |q||k|, and at 1e6..1e10 (q and k both 'large', or outlier meeting outlier, whose equal
     magnitudes tie exactly) that decides between near-tied keys, for eager torch as much as for these
     kernels. So 'large' scales q and v (q by 1e3 in fp16, 1e5 otherwise) and k by 16 / that (logits
