@@ -41,7 +41,7 @@ def run(cmd: list[str], limit: float, log) -> tuple[int | str, float]:
 def tests(out: Path, work: Path, args) -> list[str]:
     xml = out / "gpu-tests.xml"
     rc, wall = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                    f"--junitxml={xml}", "tests/"], args.tests_limit, sys.stdout)
+                    f"--junitxml={xml}", *args.tests.split()], args.tests_limit, sys.stdout)
     lines = [f"tests: rc {rc}, {wall:.0f} s"]
     if xml.exists():
         for case in ET.parse(xml).getroot().iter("testcase"):
@@ -64,6 +64,7 @@ def latency(out: Path, work: Path, args) -> list[str]:
         for r in json.loads(src.read_text())["rows"]:
             t = r.get("per_call_us", {})
             lines.append(f"  {r['op']:8} {r['shape']:10} {r['uses']:6} {str(r['launch'])[:34]:34} "
+                         f"fast={r.get('fast')} "
                          + " ".join(f"{k} {v}" for k, v in t.items()))
             if "breakdown_us" in r:
                 lines.append("    breakdown: " + ", ".join(f"{k} {v}" for k, v in r["breakdown_us"].items()))
@@ -109,6 +110,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", default="tests,latency,suite")
+    ap.add_argument("--tests", default="tests/", help="what the tests part hands pytest (with -m gpu)")
     ap.add_argument("--budget", type=int, default=6)
     ap.add_argument("--tests-limit", type=float, default=420)
     ap.add_argument("--latency-limit", type=float, default=240)

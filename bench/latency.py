@@ -5,7 +5,9 @@ Usage (on the GPU machine, from the repo root):
 
 For each op (rmsnorm, softmax, gelu) at the decode shape 1x4096 and at 2048x4096, it times a host
 loop of --calls calls followed by one synchronize, for:
-  forge            the @forge.optimize-decorated function after its first call (search or cache hit)
+  forge            the @forge.optimize-decorated function after its first call (search or cache hit):
+                   the C++ fast path (forge/_fastcall.cpp) when it could be made, else the Python path
+  forge-python     the same with the C++ fast path switched off (Python key, plan, Triton's C launch)
   forge-jit        the same binding with the compiled launch plan switched off (Triton JIT dispatch)
   triton-jit       the winning kernel's module called directly (`launch()` via the op's run(), JIT)
   eager            the user's function, undecorated (several aten ops for the rmsnorm formula)
@@ -180,6 +182,12 @@ def main() -> int:
     from forge_cli import ops
 
     env = collect_env("cuda")
+    from forge import fastcall
+
+    t0 = time.monotonic()
+    fast_ready = fastcall.module(wait=True) is not None  # built once per machine; calls wait for nothing
+    print(f"C++ fast path: {'built' if fast_ready else fastcall.error()} in {time.monotonic() - t0:.1f} s",
+          flush=True)
     cases = [("rmsnorm", rms_formula, lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6), "float16"),
              ("softmax", softmax_fn, lambda x: torch.softmax(x, -1), "bfloat16"),
              ("gelu", gelu_fn, lambda x: F.gelu(x), "float16")]
@@ -211,6 +219,9 @@ def main() -> int:
             timings["compile"] = per_call_us(compiled, call_args, args.calls)
             binding = next(iter(opt._bound.values()))[0]
             if binding is not None:
+                row["fast"] = binding.fast or "not made"
+                fast, opt._fast = opt._fast, None  # every measurement below is of the Python path
+                timings["forge-python"] = per_call_us(opt, call_args, args.calls)
                 inputs = tuple(call_args) if op != "rmsnorm" else call_args
                 out = binding.opmod.alloc_output(inputs, binding.spec)
 
@@ -224,6 +235,7 @@ def main() -> int:
                 binding.plan = plan
                 if plan is not None and shape[0] == 1:
                     row["breakdown_us"] = breakdown(opt, binding, call_args, args.calls)
+                opt._fast = fast
             row["per_call_us"] = {k: round(v, 2) for k, v in timings.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -236,7 +248,7 @@ def main() -> int:
         "rows": rows,
     }
     (args.out / "latency.json").write_text(json.dumps(result, indent=2))
-    cols = ["forge", "forge-jit", "triton-jit", "eager", "eager-fused", "compile"]
+    cols = ["forge", "forge-python", "forge-jit", "triton-jit", "eager", "eager-fused", "compile"]
     print(f"\n{env.get('gpu')} driver {env.get('driver')} torch {torch.__version__} triton {env.get('triton')}; "
           f"host loop of {args.calls} calls, µs per call")
     print(f"{'op':8} {'shape':10} {'uses':6} {'launch':9} " + " ".join(f"{c:>11}" for c in cols) + f" {'device':>7}")

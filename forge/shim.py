@@ -98,6 +98,7 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
 
 
 _SCALARS = (int, float, bool, str)
+_FAST_SWITCH = 4  # Python-path calls of another signature before it takes over the C++ fast path
 
 
 def _module_state(root) -> tuple:
@@ -145,6 +146,8 @@ class _Binding:
         self._identity = list(indices) == list(range(len(indices)))  # inputs are the call's tensors as-is
         self.plan = None
         self.launch = None if device_index is not None else "jit (the interpreter has no compiled launcher)"
+        self.fast: str | None = None  # "C++" | "off" (fast_reason says why) | None (not yet made)
+        self.fast_reason = ""
         self._record_lock = threading.Lock()
 
     def __call__(self, tensors: list, root=None):
@@ -202,6 +205,13 @@ class Optimized:
         self._tensor_defaults = any(_is_tensor(p.default) for p in self._sig.parameters.values())
         self._scalar_names, self._scalar_cells = _scalar_reads(fn) if self._root is None else ((), ())
         self._has_scalar_reads = bool(self._scalar_names or self._scalar_cells)
+        # The C++ fast path (forge/fastcall.py) serves one signature: plain positional calls of a plain
+        # function, whose key is the arguments alone. It follows the signature in use: another one that
+        # the Python path serves _FAST_SWITCH times in a row takes it over (prefill, then decode).
+        self._fast_ok = self._root is None and not self._tensor_defaults and not self._has_scalar_reads
+        self._fast = None
+        self._fast_key: tuple | None = None
+        self._fast_misses: dict[tuple, int] = {}
         try:
             functools.update_wrapper(self, fn)
         except AttributeError:  # an nn.Module instance has no __name__ etc.
@@ -209,6 +219,11 @@ class Optimized:
 
     # -- hot path ---------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        fast = self._fast
+        if fast is not None and not kwargs:
+            out = fast(*args)  # None unless this is exactly the signature it was made for
+            if out is not None:
+                return out
         root = self._root
         if kwargs or root is not None or self._tensor_defaults:
             return self._call_general(args, kwargs)
@@ -232,7 +247,35 @@ class Optimized:
         binding = hit[0]
         if binding is None:
             return self.fn(*args)
-        return binding(tensors)
+        out = binding(tensors)
+        if binding.plan is not None and self._fast_ok and key != self._fast_key and binding.fast != "off":
+            self._offer_fast(key, binding, args, out)
+        return out
+
+    def _offer_fast(self, key: tuple, binding, args: tuple, out) -> None:
+        """After a Python-path call of a plan-bound signature: make the C++ fast call for it (first
+        signature, or one that keeps coming while another holds the fast path)."""
+        from forge import fastcall
+
+        if self._fast is not None:
+            n = self._fast_misses.get(key, 0) + 1
+            self._fast_misses[key] = n
+            if n < _FAST_SWITCH:
+                return
+        tensor_pos = [k for k, a in enumerate(args) if isinstance(a, _hot["Tensor"])]
+        sources = [tensor_pos[i] if i is not None else d for i, d in binding.slots]
+        with self._lock:
+            try:
+                fc = fastcall.make(binding.plan, args, sources, out, key[0])
+            except fastcall.Unsupported as exc:
+                binding.fast = "off"
+                binding.fast_reason = str(exc)
+                return
+            if fc is None:  # the extension is still building: the next call asks again
+                return
+            self._fast, self._fast_key = fc, key
+            self._fast_misses.clear()
+            binding.fast = "C++"
 
     def _extra_state(self) -> tuple:
         """What the trace depends on besides the arguments: a module's state, or the scalar globals and
@@ -266,7 +309,12 @@ class Optimized:
         hit = self._bound.get(sig) or self._bind(sig, args, kwargs, allow_search=False, remember=False)
         binding, why = hit
         if binding is not None and binding.launch is not None:
-            return dataclasses.replace(why, launch=binding.launch)
+            launch = binding.launch
+            if binding.fast == "C++" and sig == self._fast_key:
+                launch += "; fast path: C++ (forge/_fastcall.cpp)"
+            elif binding.fast == "off":
+                launch += f"; no C++ fast path: {binding.fast_reason}"
+            return dataclasses.replace(why, launch=launch)
         return why
 
     def _bind(self, sig, args, kwargs, *, allow_search: bool, remember: bool = True):

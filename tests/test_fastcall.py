@@ -1,0 +1,254 @@
+"""forge/fastcall.py + forge/_fastcall.cpp: the C++ cache-hit path, without a GPU.
+
+The extension is built here (torch.utils.cpp_extension, ~30 s on 2 cores) and run on CPU tensors with
+no kernel launched (fn = 0): the signature checks, the output allocation and the parameter packing are
+the same code the CUDA path runs. The launches themselves are checked against the Python plan, bit for
+bit, in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from forge import fastcall, launch
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = fastcall.module(wait=True)
+    assert mod is not None, fastcall.error()
+    return mod
+
+
+def _fast(ext, args_spec, sources, out_spec, rows=(), grad=False):
+    launches = [(0, 3, 1, 1, 128, 0, list(rows))] if rows else []
+    return ext.FastCall(grad, -1, args_spec, sources, out_spec, launches, None, None, None, None)
+
+
+def _t(shape, stride, dtype=torch.float32):
+    return ("tensor", (shape, stride, dtype))
+
+
+def test_the_bound_signature_gets_a_fresh_output_of_the_bound_layout(ext):
+    f = _fast(ext, [_t((4, 8), (8, 1)), _t((8,), (1,)), ("value", 1e-6)], [0, 1], ((4, 8), (8, 1), torch.float16))
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with torch.no_grad():
+        a, b = f(x, w, 1e-6), f(x, w, 1e-6)
+    assert a.shape == (4, 8) and a.stride() == (8, 1) and a.dtype == torch.float16 and a.device.type == "cpu"
+    assert a.data_ptr() != b.data_ptr()  # a new allocation per call, never a shared buffer
+
+
+@pytest.mark.parametrize("change", ["shape", "stride", "dtype", "requires_grad", "grad_mode", "misaligned",
+                                    "value", "arity", "not_a_tensor", "device"])
+def test_anything_but_the_bound_signature_returns_none(ext, change):
+    f = _fast(ext, [_t((4, 8), (8, 1)), ("value", 1e-6)], [0], ((4, 8), (8, 1), torch.float32))
+    x, v, grad = torch.randn(4, 8), 1e-6, False
+    args = None
+    if change == "shape":
+        x = torch.randn(5, 8)
+    elif change == "stride":
+        x = torch.randn(4, 16)[:, :8]  # (4, 8) with stride (16, 1)
+    elif change == "dtype":
+        x = x.double()
+    elif change == "requires_grad":
+        x.requires_grad_(True)
+    elif change == "grad_mode":
+        grad = True
+    elif change == "misaligned":
+        x = torch.randn(33)[1:].view(4, 8)  # 4 bytes past an aligned allocation, same shape and strides
+        assert x.data_ptr() % 16
+    elif change == "value":
+        v = 1e-5
+    elif change == "arity":
+        args = (x,)
+    elif change == "not_a_tensor":
+        args = ([[0.0] * 8] * 4, v)
+    elif change == "device":
+        x = x.to("meta")
+    with torch.set_grad_enabled(grad):
+        assert f(*(args or (x, v))) is None
+    with torch.no_grad():
+        assert f(torch.randn(4, 8), 1e-6) is not None  # and the bound one still passes
+
+
+def test_values_compare_by_equality_and_a_failing_comparison_is_a_miss(ext):
+    class Odd:
+        def __eq__(self, other):
+            raise ValueError("no")
+
+    f = _fast(ext, [_t((2,), (1,)), ("value", (1, 2))], [0], ((2,), (1,), torch.float32))
+    with torch.no_grad():
+        assert f(torch.randn(2), (1, 2)) is not None and f(torch.randn(2), [1, 2]) is None
+        assert f(torch.randn(2), Odd()) is None
+
+
+def test_parameters_are_packed_at_triton_widths(ext):
+    rows = [(fastcall.PTR, 2, 0, 0.0), (fastcall.PTR, 0, 0, 0.0), (fastcall.I32, 0, -7, 0.0),
+            (fastcall.I64, 0, 1 << 40, 0.0), (fastcall.F32, 0, 0, 1e-6), (fastcall.F64, 0, 0, 0.1),
+            (fastcall.I8, 0, 1, 0.0), (fastcall.U16, 0, 65535, 0.0), (fastcall.NULLPTR, 0, 0, 0.0)]
+    f = _fast(ext, [_t((2,), (1,)), _t((2,), (1,))], [0, 1], ((2,), (1,), torch.float32), rows)
+    got = f.packed(0, [0x1000, 0x2000, 0x3000])
+    assert got == struct.pack("<QQiqfdBHQ", 0x3000, 0x1000, -7, 1 << 40, 1e-6, 0.1, 1, 65535, 0)
+
+
+def test_held_inputs_and_argument_indices_both_feed_pointer_slots(ext):
+    held = torch.ones(8)
+    rows = [(fastcall.PTR, 0, 0, 0.0), (fastcall.PTR, 1, 0, 0.0), (fastcall.PTR, 2, 0, 0.0)]
+    f = _fast(ext, [("value", 3), _t((8,), (1,))], [1, held], ((8,), (1,), torch.float32), rows)
+    with torch.no_grad():
+        assert f(3, torch.randn(8)) is not None
+    assert struct.unpack("<QQQ", f.packed(0, [1, 2, 3])) == (1, 2, 3)
+
+
+@pytest.mark.parametrize(("bad", "needle"), [
+    (lambda a: ([("bogus", 1)], [0], a[2], a[3]), "tensor' or 'value"),
+    (lambda a: (a[0], [5], a[2], a[3]), "source index"),
+    (lambda a: (a[0], ["x"], a[2], a[3]), "argument index or a tensor"),
+    (lambda a: (a[0], a[1], a[2], [(0, 1, 1, 1, 32, 0, [(99, 0, 0, 0.0)])]), "unknown parameter kind"),
+    (lambda a: (a[0], a[1], a[2], [(0, 1, 1, 1, 32, 0, [(0, 7, 0, 0.0)])]), "slot out of range"),
+    (lambda a: (a[0], a[1], a[2], [(5, 1, 1, 1, 32, 0, [])]), "needs a CUDA device"),
+])
+def test_construction_refuses_malformed_descriptions(ext, bad, needle):
+    good = ([_t((2,), (1,))], [0], ((2,), (1,), torch.float32), [])
+    with pytest.raises(ValueError, match=needle):
+        ext.FastCall(False, -1, *bad(good), None, None, None, None)
+
+
+# --- building a description from a recorded launch -----------------------------------------------------
+def _recorded(signature, args, slots, **md):
+    meta = {"num_ctas": 1, "num_warps": 4, "shared": 256, "launch_cooperative_grid": False, "launch_pdl": False,
+            "global_scratch_size": 0, "profile_scratch_size": 0, **md}
+    ck = SimpleNamespace(src=SimpleNamespace(fn=SimpleNamespace(arg_names=list(signature)), signature=signature),
+                         metadata=SimpleNamespace(**meta))
+    return launch._Launch("L", (5, 1, 1), 1234, None, list(args), tuple(slots), ck)
+
+
+def test_launch_params_follow_the_signature_and_end_with_the_scratch_pointers():
+    sig = {"X": "*fp16", "W": "*fp16", "Y": "*fp16", "n": "i32", "eps": "fp32", "flag": "i1", "BLOCK": "constexpr",
+           "opt": "*fp32"}
+    ln = _recorded(sig, [None, None, None, 4096, 1e-6, True, 1024, None], [(0, 0), (1, 1), (2, 2)])
+    assert fastcall.launch_params(ln) == [
+        (fastcall.PTR, 0, 0, 0.0), (fastcall.PTR, 1, 0, 0.0), (fastcall.PTR, 2, 0, 0.0),
+        (fastcall.I32, 0, 4096, 0.0), (fastcall.F32, 0, 0, 1e-6), (fastcall.I8, 0, 1, 0.0),
+        (fastcall.NULLPTR, 0, 0, 0.0), (fastcall.NULLPTR, 0, 0, 0.0), (fastcall.NULLPTR, 0, 0, 0.0)]
+    assert fastcall.launch_row(ln)[:6] == (1234, 5, 1, 1, 128, 256)
+
+
+@pytest.mark.parametrize(("sig", "args", "md", "needle"), [
+    ({"X": "fp16"}, [1.0], {}, "does not pack"),
+    ({"X": "*fp16"}, [7], {}, "neither a tensor nor None"),
+    ({"X": "i32", "Y": "i32"}, [1], {}, "1 kernel arguments for 2"),
+    ({"X": "i32"}, [1], {"num_ctas": 2}, "num_ctas"),
+    ({"X": "i32"}, [1], {"launch_pdl": True}, "PDL"),
+    ({"X": "i32"}, [1], {"global_scratch_size": 64}, "scratch"),
+])
+def test_launches_the_fast_path_cannot_make_are_refused_with_a_reason(sig, args, md, needle):
+    with pytest.raises(fastcall.Unsupported, match=needle):
+        fastcall.launch_row(_recorded(sig, args, [], **md))
+
+
+def test_policy(monkeypatch):
+    import triton
+
+    monkeypatch.setenv("FORGE_FASTCALL", "0")
+    assert fastcall.policy() == "FORGE_FASTCALL=0"
+    monkeypatch.setenv("FORGE_FASTCALL", "1")
+    assert fastcall.policy() is None
+    monkeypatch.delenv("FORGE_FASTCALL")
+    verified = triton.__version__.startswith(fastcall.VERIFIED)
+    assert (fastcall.policy() is None) == verified
+    if not verified:
+        assert "FORGE_FASTCALL=1 forces it" in fastcall.policy()
+
+
+def test_a_failed_build_is_a_reason_not_an_exception(monkeypatch):
+    monkeypatch.setattr(fastcall, "_state", {"module": None, "error": None, "thread": None})
+
+    def broken():
+        raise RuntimeError("Error building extension 'forge_fastcall'\nninja: build stopped: subcommand failed.")
+    monkeypatch.setattr(fastcall, "_build", broken)
+    assert fastcall.module(wait=True) is None
+    assert "subcommand failed" in fastcall.error()
+    monkeypatch.setenv("FORGE_FASTCALL", "1")
+    with pytest.raises(fastcall.Unsupported, match="subcommand failed"):
+        fastcall.make(SimpleNamespace(launches=[]), (), [], torch.empty(1), False)
+
+
+def test_the_build_runs_in_the_background_and_is_asked_once(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(fastcall, "_state", {"module": None, "error": None, "thread": None})
+    gate, calls = threading.Event(), []
+
+    def slow():
+        calls.append(1)
+        gate.wait(5)
+        return "MODULE"
+    monkeypatch.setattr(fastcall, "_build", slow)
+    assert fastcall.module() is None and fastcall.module() is None  # building; callers go on
+    gate.set()
+    assert fastcall.module(wait=True) == "MODULE" and calls == [1]
+
+
+# --- the shim's routing: which signature holds the fast path ----------------------------------------------
+def test_shim_routes_the_bound_signature_to_the_fast_call_and_follows_a_new_one(monkeypatch):
+    """With a stand-in for fastcall.make: the first plan-bound signature gets the fast call; another
+    signature takes it over after _FAST_SWITCH Python-path calls; a refused one is not asked again."""
+    import forge
+    from forge import shim
+
+    made = []
+
+    class Fake:
+        def __init__(self, key_shape):
+            self.shape, self.calls = key_shape, 0
+
+        def __call__(self, *args):
+            if args and isinstance(args[0], torch.Tensor) and tuple(args[0].shape) == self.shape:
+                self.calls += 1
+                return "FAST"
+            return None
+
+    def fake_make(plan, args, sources, out, grad):
+        assert sources == [0] and grad is torch.is_grad_enabled()
+        made.append(Fake(tuple(args[0].shape)))
+        return made[-1]
+
+    monkeypatch.setattr(fastcall, "make", fake_make)
+
+    def f(x):
+        return torch.softmax(x, dim=-1)
+
+    opt = forge.optimize(f, search=False, warn=False)
+
+    class Binding:
+        plan, fast, slots = object(), None, [(0, None)]
+
+        def __call__(self, tensors, root=None):
+            return "PY"
+
+    def bind(key, args, kwargs, allow_search):
+        hit = (Binding(), None)
+        opt._bound[key] = hit
+        return hit
+    monkeypatch.setattr(opt, "_bind", bind)
+    a, b = torch.randn(2, 8), torch.randn(1, 8)
+    assert opt(a) == "PY" and len(made) == 1  # first call: Python path, then the fast call is made
+    assert opt(a) == "FAST" and opt(a) == "FAST"
+    for _ in range(shim._FAST_SWITCH - 1):
+        assert opt(b) == "PY"
+    assert len(made) == 1
+    assert opt(b) == "PY" and len(made) == 2  # the new signature took it over
+    assert opt(b) == "FAST" and opt(a) == "PY"
+
+    def refuse(*a):
+        raise fastcall.Unsupported("no")
+    monkeypatch.setattr(fastcall, "make", refuse)
+    c = torch.randn(3, 8)
+    for _ in range(2 * shim._FAST_SWITCH):
+        assert opt(c) == "PY"
+    binding = opt._bound[next(k for k in opt._bound if k[1][0] == (3, 8))][0]
+    assert binding.fast == "off" and binding.fast_reason == "no"
