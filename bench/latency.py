@@ -14,8 +14,7 @@ loop of --calls calls followed by one synchronize, for:
   eager-fused      the fused torch op (F.rms_norm, torch.softmax, F.gelu): one aten op
   compile          torch.compile(function) (default mode)
 and the device time of the forge kernel (CUDA events around 200 back-to-back launches), so a row can be
-read as host-bound (per-call > device time) or device-bound, and (host_only_us) the host time per call
-alone, in loops short enough that the launch queue never fills. Writes DIR/latency.json; prints a table last.
+read as host-bound (per-call > device time) or device-bound. Writes DIR/latency.json; prints a table last.
 """
 
 from __future__ import annotations
@@ -62,25 +61,6 @@ def per_call_us(fn, args, calls: int, repeats: int = 3) -> float:
             fn(*args)
         torch.cuda.synchronize()
         loops.append((time.perf_counter() - t0) / calls * 1e6)
-    return sorted(loops)[len(loops) // 2]
-
-
-def host_us(fn, args, n: int = 400, repeats: int = 7) -> float:
-    """Host time per call alone: loops of `n` calls, fewer than CUDA's launch queue holds, timed without
-    waiting for the device (synchronized between loops). per_call_us is the larger of this and the
-    device time per kernel; this tells which of the two a row measured."""
-    import torch
-
-    for _ in range(50):
-        fn(*args)
-    loops = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn(*args)
-        loops.append((time.perf_counter() - t0) / n * 1e6)
-    torch.cuda.synchronize()
     return sorted(loops)[len(loops) // 2]
 
 
@@ -243,14 +223,11 @@ def main() -> int:
                        "eager-fused": per_call_us(fused, call_args, args.calls)}
             compiled = torch.compile(fn)
             timings["compile"] = per_call_us(compiled, call_args, args.calls)
-            host = {"forge": host_us(opt, call_args), "eager": host_us(fn, call_args),
-                    "eager-fused": host_us(fused, call_args)}
             binding = next(iter(opt._bound.values()))[0]
             if binding is not None:
                 row["fast"] = binding.fast or "not made"
                 fast, opt._fast = opt._fast, None  # every measurement below is of the Python path
                 timings["forge-python"] = per_call_us(opt, call_args, args.calls)
-                host["forge-python"] = host_us(opt, call_args)
                 inputs = tuple(call_args) if op != "rmsnorm" else call_args
                 out = binding.opmod.alloc_output(inputs, binding.spec)
 
@@ -266,7 +243,6 @@ def main() -> int:
                     row["breakdown_us"] = breakdown(opt, binding, call_args, args.calls)
                 opt._fast = fast
             row["per_call_us"] = {k: round(v, 2) for k, v in timings.items()}
-            row["host_only_us"] = {k: round(v, 2) for k, v in host.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {
@@ -288,9 +264,6 @@ def main() -> int:
         print(f"{r['op']:8} {r['shape']:10} {r['uses']:6} {launch:9} "
               + " ".join(f"{t.get(c, float('nan')):>11.2f}" for c in cols)
               + f" {r.get('forge_device_us', float('nan')):>7.2f}")
-    print("host time alone per call (loops of 400 calls, not waiting for the device), µs:")
-    for r in rows:
-        print(f"{r['op']:8} {r['shape']:10} " + ", ".join(f"{k} {v}" for k, v in r["host_only_us"].items()))
     for r in rows:
         if "breakdown_us" in r:
             print(f"breakdown {r['op']} {r['shape']}: " + ", ".join(f"{k} {v}" for k, v in r["breakdown_us"].items()))
