@@ -241,6 +241,17 @@ def main() -> int:
                 binding.plan = plan
                 if plan is not None and shape[0] == 1:
                     row["breakdown_us"] = breakdown(opt, binding, call_args, args.calls)
+                if fast is not None:
+                    # The comparisons that matter, interleaved round by round: the host's speed drifted by
+                    # up to 40% between runs minutes apart, so separate loops are compared only loosely.
+                    rounds: dict[str, list[float]] = {"forge": [], "forge-python": [], "eager-fused": []}
+                    for _ in range(5):
+                        opt._fast = fast
+                        rounds["forge"].append(per_call_us(opt, call_args, args.calls, repeats=1))
+                        opt._fast = None
+                        rounds["forge-python"].append(per_call_us(opt, call_args, args.calls, repeats=1))
+                        rounds["eager-fused"].append(per_call_us(fused, call_args, args.calls, repeats=1))
+                    row["interleaved_us"] = {k: round(sorted(v)[2], 2) for k, v in rounds.items()}
                 opt._fast = fast
             row["per_call_us"] = {k: round(v, 2) for k, v in timings.items()}
             rows.append(row)
@@ -264,6 +275,10 @@ def main() -> int:
         print(f"{r['op']:8} {r['shape']:10} {r['uses']:6} {launch:9} "
               + " ".join(f"{t.get(c, float('nan')):>11.2f}" for c in cols)
               + f" {r.get('forge_device_us', float('nan')):>7.2f}")
+    print("interleaved (5 rounds of forge / forge-python / eager-fused loops, median), µs per call:")
+    for r in rows:
+        if "interleaved_us" in r:
+            print(f"{r['op']:8} {r['shape']:10} " + ", ".join(f"{k} {v}" for k, v in r["interleaved_us"].items()))
     for r in rows:
         if "breakdown_us" in r:
             print(f"breakdown {r['op']} {r['shape']}: " + ", ".join(f"{k} {v}" for k, v in r["breakdown_us"].items()))
