@@ -3,7 +3,8 @@
 First call per signature: trace with torch.fx (forge/trace.py), match an op family, build the
 KernelSpec from the actual arguments, look the decision up in the cache (searching on a miss unless
 searching is off), and bind either the cached kernel or the eager function. Later calls with the same
-signature: one dict lookup and a launch.
+signature: one dict lookup and a launch (forge/launch.py's recorded plan) or, for plain positional calls
+once the extension is built, one C++ call that checks the signature and launches (forge/fastcall.py).
 
 Never a wrong result: anything forge cannot vouch for runs the user's eager function, with the reason
 kept for `forge.explain` and a one-time warning.

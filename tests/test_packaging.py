@@ -21,6 +21,7 @@ def test_wheel_ships_ops_and_installed_forge_finds_them(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("forge_kernel-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "forge_cli/_kernels/rmsnorm.py" in names and "forge_cli/_templates/softmax_row.j2" in names
+    assert "forge/_fastcall.cpp" in names  # the C++ fast path is built from source on the user's machine
     assert not any(n.startswith("kernels/") or n.startswith("templates/") for n in names)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
