@@ -179,6 +179,9 @@ class FastCall {
         if ((reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) != 0) return py::none();
         ts[k] = t;
       } else {
+        // Same type, then ==: stricter than the Python key (where 1 == 1.0 == True); a miss only costs
+        // the Python path, and a 0-d tensor equal to a bound scalar is never taken for it.
+        if (Py_TYPE(o) != Py_TYPE(values_[k].ptr())) return py::none();
         int eq = PyObject_RichCompareBool(o, values_[k].ptr(), Py_EQ);
         if (eq < 0) {
           PyErr_Clear();

@@ -10,8 +10,8 @@ type it does not pack) leaves the Python path in place, with the reason for `for
 Policy (`FORGE_FASTCALL`): "0" never; "1" on any Triton; unset: on for the Triton versions in VERIFIED,
 whose kernel parameter layout (non-constexpr arguments, then the global and profile scratch pointers)
 was checked on a GPU, where `launch.build` has also proved the recorded launches. The extension is
-compiled once per machine and torch version by torch.utils.cpp_extension (~20-40 s), in a background
-thread: calls take the Python path until it is ready.
+compiled once per machine and torch version by torch.utils.cpp_extension (~30 s), in a child process
+started from a background thread: calls take the Python path until it is ready.
 """
 
 from __future__ import annotations
@@ -56,11 +56,39 @@ def policy() -> str | None:
     return None
 
 
-def _build():
+def _load():
+    """Compile (if torch's extension cache does not hold this source yet) and import the extension."""
     from torch.utils.cpp_extension import load
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     return load(name=f"forge_fastcall_{digest}", sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+
+
+def _build():
+    """Compile in a child process of its own, then import here (~0.3 s once compiled).
+
+    Why a child: the build takes ~30 s in the background of the user's program, which may exit first. A
+    compile killed half way leaves torch's build lock file behind, and every later build then waits on it
+    for ever; a child in its own session, writing to a file rather than a pipe, finishes regardless."""
+    import sys
+    import tempfile
+
+    # the child imports this very forge: its package root first on its path (PYTHONPATH may be relative)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE.resolve().parent.parent),
+                                                     env.get("PYTHONPATH", "")) if p)
+    fd, log = tempfile.mkstemp(prefix="forge-fastcall-build-", suffix=".log")
+    try:
+        with os.fdopen(fd, "w") as out:
+            rc = subprocess.run([sys.executable, "-c", "from forge import fastcall; fastcall._load()"],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                cwd=tempfile.gettempdir()).returncode
+        if rc != 0:
+            lines = [ln for ln in Path(log).read_text(errors="replace").splitlines() if ln.strip()]
+            raise RuntimeError(lines[-1] if lines else f"the build process exited with {rc}")
+    finally:
+        os.unlink(log)
+    return _load()
 
 
 def _build_into_state() -> None:
@@ -160,12 +188,12 @@ def make(plan, args: tuple, sources: list, out, grad: bool):
         raise Unsupported(reason)
     if len(args) > 64:
         raise Unsupported("more than 64 arguments")
-    rows = [launch_row(ln) for ln in plan.launches]
-    mod = module()
+    mod = module()  # first: while the extension builds, every Python-path call asks again, cheaply
     if mod is None:
         if error() is not None:
             raise Unsupported(error())
         return None
+    rows = [launch_row(ln) for ln in plan.launches]
     specs = []
     for a in args:
         if isinstance(a, torch.Tensor):

@@ -83,6 +83,11 @@ def test_values_compare_by_equality_and_a_failing_comparison_is_a_miss(ext):
     with torch.no_grad():
         assert f(torch.randn(2), (1, 2)) is not None and f(torch.randn(2), [1, 2]) is None
         assert f(torch.randn(2), Odd()) is None
+    g = _fast(ext, [_t((2,), (1,)), ("value", 1)], [0], ((2,), (1,), torch.float32))
+    with torch.no_grad():
+        assert g(torch.randn(2), 1) is not None
+        assert g(torch.randn(2), 1.0) is None and g(torch.randn(2), True) is None  # same type required
+        assert g(torch.randn(2), torch.tensor(1)) is None
 
 
 def test_parameters_are_packed_at_triton_widths(ext):
@@ -175,6 +180,22 @@ def test_a_failed_build_is_a_reason_not_an_exception(monkeypatch):
     monkeypatch.setenv("FORGE_FASTCALL", "1")
     with pytest.raises(fastcall.Unsupported, match="subcommand failed"):
         fastcall.make(SimpleNamespace(launches=[]), (), [], torch.empty(1), False)
+
+
+def test_a_failing_build_process_reports_its_last_line(monkeypatch, tmp_path):
+    """The compile runs in a child process (so the user's program may exit during it); its failure
+    comes back as the last line it printed."""
+    import sys
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'compiling...'\necho 'fatal error: Python.h: No such file' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    with pytest.raises(RuntimeError, match="Python.h: No such file"):
+        fastcall._build()
+    fake.write_text("#!/bin/sh\nexit 4\n")
+    with pytest.raises(RuntimeError, match="exited with 4"):
+        fastcall._build()
 
 
 def test_the_build_runs_in_the_background_and_is_asked_once(monkeypatch):
