@@ -135,6 +135,7 @@ class FastCall {
         throw std::invalid_argument("a source is an argument index or a tensor");
       }
     }
+    if (source_arg_.size() > kMaxParams) throw std::invalid_argument("too many kernel inputs");
     out_ = tspec(out);
     for (auto l : launches) {
       auto t = l.cast<py::tuple>();

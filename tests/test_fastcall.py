@@ -112,6 +112,7 @@ def test_held_inputs_and_argument_indices_both_feed_pointer_slots(ext):
     (lambda a: ([("bogus", 1)], [0], a[2], a[3]), "tensor' or 'value"),
     (lambda a: (a[0], [5], a[2], a[3]), "source index"),
     (lambda a: (a[0], ["x"], a[2], a[3]), "argument index or a tensor"),
+    (lambda a: (a[0], [0] * 65, a[2], a[3]), "too many kernel inputs"),
     (lambda a: (a[0], a[1], a[2], [(0, 1, 1, 1, 32, 0, [(99, 0, 0, 0.0)])]), "unknown parameter kind"),
     (lambda a: (a[0], a[1], a[2], [(0, 1, 1, 1, 32, 0, [(0, 7, 0, 0.0)])]), "slot out of range"),
     (lambda a: (a[0], a[1], a[2], [(5, 1, 1, 1, 32, 0, [])]), "needs a CUDA device"),
