@@ -3,7 +3,7 @@
 // A FastCall is made for one call signature of one bound kernel, from the launches forge/launch.py
 // recorded and proved. One C++ call then does what the Python hot path does in ~10 bytecode-heavy
 // steps: check the positional arguments against that signature (shape, strides, dtype, device,
-// requires_grad, 16-byte alignment, grad mode, non-tensor values by ==), check that no Triton launch
+// requires_grad, 16-byte alignment, grad mode, autocast off, non-tensor values by ==), check that no Triton launch
 // hook is installed and the current device is the bound one, allocate the output with
 // at::empty_strided, and launch each recorded kernel with cuLaunchKernel. Any mismatch returns None and
 // the caller takes the Python path, which decides everything again; nothing here ever guesses.
@@ -14,6 +14,7 @@
 #include <torch/python.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/autocast_mode.h>
 
 #include <dlfcn.h>
 #include <cstring>
@@ -161,6 +162,9 @@ class FastCall {
   py::object call(py::args args) {
     const size_t n = is_tensor_.size();
     if (args.size() != n || at::GradMode::is_enabled() != grad_) return py::none();
+    // Bound with autocast off (the shim runs eager under autocast): any autocast on is a miss.
+    if (at::autocast::is_autocast_enabled(at::kCUDA) || at::autocast::is_autocast_enabled(at::kCPU))
+      return py::none();
     at::Tensor ts[kMaxParams];
     if (n > kMaxParams) return py::none();
     for (size_t k = 0; k < n; ++k) {

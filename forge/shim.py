@@ -65,7 +65,7 @@ def _torch_hot() -> dict[str, Any]:
     if not _hot:
         import torch
 
-        _hot.update(Tensor=torch.Tensor, grad=torch.is_grad_enabled)
+        _hot.update(Tensor=torch.Tensor, grad=torch.is_grad_enabled, autocast=torch._C._is_any_autocast_enabled)
     return _hot
 
 
@@ -88,10 +88,10 @@ def _value_sig(v):
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
-    """Everything a bound kernel depends on: grad mode, and each argument — tensors by
+    """Everything a bound kernel depends on: grad mode, autocast, and each argument — tensors by
     shape/dtype/strides/device/grad/alignment, other values by value (or identity if unhashable)."""
     h = _torch_hot()
-    key = [h["grad"]()]
+    key = [h["grad"](), h["autocast"]()]
     key += [_value_sig(a) for a in args]
     if kwargs:
         key += [(k, _value_sig(v)) for k, v in sorted(kwargs.items())]
@@ -231,7 +231,7 @@ class Optimized:
         # The common case, kept to one pass over the arguments (a cache hit costs this plus a launch).
         h = _hot or _torch_hot()
         tensor_cls = h["Tensor"]
-        key = [h["grad"]()]
+        key = [h["grad"](), h["autocast"]()]  # as _signature builds it
         tensors = []
         for a in args:
             if isinstance(a, tensor_cls):
@@ -364,6 +364,10 @@ class Optimized:
         picked = [tensors[i] if i is not None else None for i in indices]
         inputs = op.module.fill_missing(picked)
         x = inputs[0]
+        if torch._C._is_any_autocast_enabled():
+            # Under autocast eager's ops choose their own dtypes (softmax and pow in fp32, matmul in the
+            # autocast dtype); a kernel computing in its inputs' dtype would return something else.
+            return eager("autocast is enabled (eager's ops pick their own dtypes under it)", op=op.name)
         if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
             return eager("inputs require grad (forge kernels are forward-only)", op=op.name)
         if any(t.device != x.device for t in inputs):

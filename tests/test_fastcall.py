@@ -74,6 +74,15 @@ def test_anything_but_the_bound_signature_returns_none(ext, change):
         assert f(torch.randn(4, 8), 1e-6) is not None  # and the bound one still passes
 
 
+def test_autocast_on_is_a_miss(ext):
+    f = _fast(ext, [_t((4, 8), (8, 1))], [0], ((4, 8), (8, 1), torch.float32))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert f(x) is not None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert f(x) is None  # the shim binds kernels only with autocast off
+
+
 def test_values_compare_by_equality_and_a_failing_comparison_is_a_miss(ext):
     class Odd:
         def __eq__(self, other):
@@ -272,5 +281,5 @@ def test_shim_routes_the_bound_signature_to_the_fast_call_and_follows_a_new_one(
     c = torch.randn(3, 8)
     for _ in range(2 * shim._FAST_SWITCH):
         assert opt(c) == "PY"
-    binding = opt._bound[next(k for k in opt._bound if k[1][0] == (3, 8))][0]
+    binding = opt._bound[next(k for k in opt._bound if k[2][0] == (3, 8))][0]
     assert binding.fast == "off" and binding.fast_reason == "no"

@@ -116,6 +116,23 @@ def test_fallback_reasons_for_grad_noncontiguous_and_dtype():
     assert "dtype" in forge.explain(f, X.half(), W).reason
 
 
+def test_autocast_runs_eager_with_eagers_dtypes():
+    """Under autocast eager's ops pick their own dtypes (matmul in the autocast dtype); forge's kernels
+    compute in their inputs' dtype, so autocast on is eager, and a separate signature from autocast off."""
+    def mm(a, b):
+        return a @ b
+
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    f = forge.optimize(mm, interpreter=True, warn=False)
+    assert forge.explain(f, a, b).reason == "cache miss: would search"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        e = forge.explain(f, a, b)
+        y, ref = f(a, b), mm(a, b)
+    assert e.uses == "eager" and "autocast is enabled" in e.reason and e.op == "matmul"
+    assert y.dtype == ref.dtype == torch.bfloat16 and torch.equal(y, ref)
+    assert forge.explain(f, a, b).reason == "cache miss: would search"
+
+
 def test_search_off_never_searches_and_warns_once(monkeypatch):
     monkeypatch.setenv("FORGE_SEARCH", "0")
     monkeypatch.setattr(engine, "search", lambda *a, **k: pytest.fail("FORGE_SEARCH=0 must not search"))
