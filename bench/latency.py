@@ -6,7 +6,8 @@ Usage (on the GPU machine, from the repo root):
 For each op (rmsnorm, softmax, gelu) at the decode shape 1x4096 and at 2048x4096, it times a host
 loop of --calls calls followed by one synchronize, for:
   forge            the @forge.optimize-decorated function after its first call (search or cache hit):
-                   the C++ fast path (forge/_fastcall.cpp) when it could be made, else the Python path
+                   the C++ fast path (forge/_fastcall.cpp) when it could be made, else the Python path;
+                   for a signature decided eager, the C++ eager call (signature check, then the function)
   forge-python     the same with the C++ fast path switched off (Python key, plan, Triton's C launch)
   forge-jit        the same binding with the compiled launch plan switched off (Triton JIT dispatch)
   triton-jit       the winning kernel's module called directly (`launch()` via the op's run(), JIT)
@@ -224,6 +225,12 @@ def main() -> int:
             compiled = torch.compile(fn)
             timings["compile"] = per_call_us(compiled, call_args, args.calls)
             binding = next(iter(opt._bound.values()))[0]
+            if binding is None:  # decided eager: the C++ eager call (signature check, then fn) if made
+                row["fast"] = ("eager call" if opt._fast is not None and opt._fast[1]
+                               else next(iter(opt._fast_off.values()), "not made"))
+                fast, opt._fast = opt._fast, None
+                timings["forge-python"] = per_call_us(opt, call_args, args.calls)
+                opt._fast = fast
             if binding is not None:
                 row["fast"] = binding.fast or "not made"
                 fast, opt._fast = opt._fast, None  # every measurement below is of the Python path

@@ -70,6 +70,10 @@ struct Launch {
 struct TSpec {
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
+  bool requires_grad = false;
+  bool aligned = true;     // data_ptr % 16 == 0
+  bool is_cuda = false;
+  int index = -1;          // get_device(): -1 on the CPU
 };
 
 std::vector<int64_t> ints(const py::handle& seq) {
@@ -78,12 +82,20 @@ std::vector<int64_t> ints(const py::handle& seq) {
   return v;
 }
 
+// (sizes, strides, dtype) or (sizes, strides, dtype, requires_grad, aligned, is_cuda, index)
 TSpec tspec(const py::handle& t) {
-  auto tup = t.cast<py::tuple>();  // (sizes, strides, dtype)
+  auto tup = t.cast<py::tuple>();
+  if (tup.size() != 3 && tup.size() != 7) throw std::invalid_argument("a tensor spec has 3 or 7 fields");
   TSpec s;
   s.sizes = ints(tup[0]);
   s.strides = ints(tup[1]);
   s.dtype = torch::python::detail::py_object_to_dtype(py::reinterpret_borrow<py::object>(tup[2]));
+  if (tup.size() == 7) {
+    s.requires_grad = tup[3].cast<bool>();
+    s.aligned = tup[4].cast<bool>();
+    s.is_cuda = tup[5].cast<bool>();
+    s.index = tup[6].cast<int>();
+  }
   return s;
 }
 
@@ -94,19 +106,15 @@ bool same(c10::IntArrayRef a, const std::vector<int64_t>& b) {
   return true;
 }
 
-}  // namespace
+bool any_autocast() {
+  return at::autocast::is_autocast_enabled(at::kCUDA) || at::autocast::is_autocast_enabled(at::kCPU);
+}
 
-class FastCall {
+// One call signature: grad mode, autocast, and per positional argument a tensor layout or a value. What
+// the shim's Python key holds (forge/shim.py _signature), checked on at::Tensor metadata.
+class Guard {
  public:
-  // args: per positional argument, ("tensor", (sizes, strides, dtype)) or ("value", obj)
-  // sources: per kernel input, an int (index of a positional argument) or a tensor held here
-  // out: (sizes, strides, dtype); launches: [(fn, gx, gy, gz, block, shared, [(kind, slot, i, d), ...])]
-  // device: the CUDA device index, or -1 for CPU tensors (tests only: nothing is launched)
-  // runtime / chain: triton.knobs.runtime and triton.knobs.HookChain; stream: f(device) -> raw stream
-  FastCall(bool grad, int device, py::list args, py::list sources, py::tuple out, py::list launches,
-           py::object runtime, py::object chain, py::object stream, py::object current_device)
-      : grad_(grad), device_(device), runtime_(runtime), chain_(chain), stream_(stream),
-        current_device_(current_device) {
+  Guard(bool grad, bool autocast, const py::list& args) : grad_(grad), autocast_(autocast) {
     for (auto a : args) {
       auto t = a.cast<py::tuple>();
       std::string what = t[0].cast<std::string>();
@@ -122,10 +130,68 @@ class FastCall {
         throw std::invalid_argument("argument kind must be 'tensor' or 'value'");
       }
     }
+    if (is_tensor_.size() > kMaxParams) throw std::invalid_argument("more than 64 arguments");
+  }
+
+  // True if `args` is this signature; its tensors are then in ts[0..n).
+  bool match(const py::args& args, at::Tensor* ts) const {
+    const size_t n = is_tensor_.size();
+    if (args.size() != n || at::GradMode::is_enabled() != grad_ || any_autocast() != autocast_) return false;
+    for (size_t k = 0; k < n; ++k) {
+      PyObject* o = args[k].ptr();
+      if (is_tensor_[k]) {
+        if (!THPVariable_Check(o)) return false;
+        const at::Tensor& t = THPVariable_Unpack(o);
+        const TSpec& s = specs_[k];
+        if (t.scalar_type() != s.dtype || t.requires_grad() != s.requires_grad || !same(t.sizes(), s.sizes) ||
+            !same(t.strides(), s.strides) || t.is_cuda() != s.is_cuda || t.get_device() != s.index)
+          return false;
+        if (t.is_meta() || ((reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) == 0) != s.aligned) return false;
+        ts[k] = t;
+      } else {
+        // Same type, then ==: stricter than the Python key (where 1 == 1.0 == True); a miss only costs
+        // the Python path, and a 0-d tensor equal to a bound scalar is never taken for it.
+        if (Py_TYPE(o) != Py_TYPE(values_[k].ptr())) return false;
+        int eq = PyObject_RichCompareBool(o, values_[k].ptr(), Py_EQ);
+        if (eq < 0) {
+          PyErr_Clear();
+          return false;
+        }
+        if (!eq) return false;
+      }
+    }
+    return true;
+  }
+
+  bool is_tensor(size_t k) const { return k < is_tensor_.size() && is_tensor_[k]; }
+  size_t size() const { return is_tensor_.size(); }
+
+ private:
+  bool grad_, autocast_;
+  std::vector<bool> is_tensor_;
+  std::vector<TSpec> specs_;
+  std::vector<py::object> values_;
+};
+
+}  // namespace
+
+// A bound kernel's signature: the output tensor of its recorded launches, or None (a miss).
+class FastCall {
+ public:
+  // args: per positional argument, ("tensor", (sizes, strides, dtype)) or ("value", obj); a kernel's
+  //   tensors never require grad, are 16-byte aligned and on `device` (what the shim binds kernels for)
+  // sources: per kernel input, an int (index of a positional argument) or a tensor held here
+  // out: (sizes, strides, dtype); launches: [(fn, gx, gy, gz, block, shared, [(kind, slot, i, d), ...])]
+  // device: the CUDA device index, or -1 for CPU tensors (tests only: nothing is launched)
+  // runtime / chain: triton.knobs.runtime and triton.knobs.HookChain; stream: f(device) -> raw stream
+  FastCall(bool grad, int device, py::list args, py::list sources, py::tuple out, py::list launches,
+           py::object runtime, py::object chain, py::object stream, py::object current_device)
+      : guard_(grad, false, kernel_specs(args, device)), device_(device), runtime_(runtime), chain_(chain),
+        stream_(stream), current_device_(current_device) {
     for (auto s : sources) {
       if (py::isinstance<py::int_>(s)) {
         int k = s.cast<int>();
-        if (k < 0 || k >= static_cast<int>(is_tensor_.size()) || !is_tensor_[k])
+        if (k < 0 || !guard_.is_tensor(static_cast<size_t>(k)))
           throw std::invalid_argument("a source index must name a tensor argument");
         source_arg_.push_back(k);
         held_.push_back(at::Tensor());
@@ -160,41 +226,8 @@ class FastCall {
 
   // The output tensor, or None when this call is not the bound signature (or a hook/device changed).
   py::object call(py::args args) {
-    const size_t n = is_tensor_.size();
-    if (args.size() != n || at::GradMode::is_enabled() != grad_) return py::none();
-    // Bound with autocast off (the shim runs eager under autocast): any autocast on is a miss.
-    if (at::autocast::is_autocast_enabled(at::kCUDA) || at::autocast::is_autocast_enabled(at::kCPU))
-      return py::none();
     at::Tensor ts[kMaxParams];
-    if (n > kMaxParams) return py::none();
-    for (size_t k = 0; k < n; ++k) {
-      PyObject* o = args[k].ptr();
-      if (is_tensor_[k]) {
-        if (!THPVariable_Check(o)) return py::none();
-        const at::Tensor& t = THPVariable_Unpack(o);
-        const TSpec& s = specs_[k];
-        if (t.scalar_type() != s.dtype || t.requires_grad() || !same(t.sizes(), s.sizes) ||
-            !same(t.strides(), s.strides))
-          return py::none();
-        if (device_ >= 0) {
-          if (!t.is_cuda() || t.get_device() != device_) return py::none();
-        } else if (!t.device().is_cpu()) {
-          return py::none();
-        }
-        if ((reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) != 0) return py::none();
-        ts[k] = t;
-      } else {
-        // Same type, then ==: stricter than the Python key (where 1 == 1.0 == True); a miss only costs
-        // the Python path, and a 0-d tensor equal to a bound scalar is never taken for it.
-        if (Py_TYPE(o) != Py_TYPE(values_[k].ptr())) return py::none();
-        int eq = PyObject_RichCompareBool(o, values_[k].ptr(), Py_EQ);
-        if (eq < 0) {
-          PyErr_Clear();
-          return py::none();
-        }
-        if (!eq) return py::none();
-      }
-    }
+    if (!guard_.match(args, ts)) return py::none();
     uint64_t stream = 0;
     if (device_ >= 0) {
       if (!hooks_quiet() || current_device_().cast<int>() != device_) return py::none();
@@ -284,11 +317,24 @@ class FastCall {
     return true;
   }
 
-  bool grad_;
+  static py::list kernel_specs(const py::list& args, int device) {
+    py::list out;
+    for (auto a : args) {
+      auto t = a.cast<py::tuple>();
+      if (t[0].cast<std::string>() == "tensor") {
+        auto f = t[1].cast<py::tuple>();
+        if (f.size() != 3) throw std::invalid_argument("a kernel's tensor spec is (sizes, strides, dtype)");
+        out.append(py::make_tuple("tensor", py::make_tuple(f[0], f[1], f[2], false, true, device >= 0,
+                                                            device >= 0 ? device : -1)));
+      } else {
+        out.append(t);
+      }
+    }
+    return out;
+  }
+
+  Guard guard_;
   int device_;
-  std::vector<bool> is_tensor_;
-  std::vector<TSpec> specs_;
-  std::vector<py::object> values_;
   std::vector<int> source_arg_;
   std::vector<at::Tensor> held_;
   TSpec out_;
@@ -296,7 +342,29 @@ class FastCall {
   py::object runtime_, chain_, stream_, current_device_;
 };
 
+// A signature the shim decided to run eagerly: (the user's function's result,), or None (a miss).
+// Saves the Python key and lookup on each such call; the function itself runs as before.
+class EagerCall {
+ public:
+  // args: per positional argument, ("tensor", (sizes, strides, dtype, requires_grad, aligned, is_cuda,
+  // index)) or ("value", obj)
+  EagerCall(bool grad, bool autocast, py::list args, py::object fn) : guard_(grad, autocast, args), fn_(fn) {}
+
+  py::object call(py::args args) {
+    at::Tensor ts[kMaxParams];
+    if (!guard_.match(args, ts)) return py::none();
+    return py::make_tuple(fn_(*args));
+  }
+
+ private:
+  Guard guard_;
+  py::object fn_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<EagerCall>(m, "EagerCall")
+      .def(py::init<bool, bool, py::list, py::object>())
+      .def("__call__", &EagerCall::call);
   py::class_<FastCall>(m, "FastCall")
       .def(py::init<bool, int, py::list, py::list, py::tuple, py::list, py::object, py::object, py::object,
                     py::object>())

@@ -210,9 +210,12 @@ class Optimized:
         # function, whose key is the arguments alone. It follows the signature in use: another one that
         # the Python path serves _FAST_SWITCH times in a row takes it over (prefill, then decode).
         self._fast_ok = self._root is None and not self._tensor_defaults and not self._has_scalar_reads
-        self._fast = None
+        # (callable, eager?): a FastCall returns the output, an EagerCall (for a signature decided eager)
+        # a 1-tuple of the function's result (which may be None); both return None for another signature.
+        self._fast: tuple[Any, bool] | None = None
         self._fast_key: tuple | None = None
         self._fast_misses: dict[tuple, int] = {}
+        self._fast_off: dict[tuple, str] = {}  # signatures the fast path cannot serve, with the reason
         try:
             functools.update_wrapper(self, fn)
         except AttributeError:  # an nn.Module instance has no __name__ etc.
@@ -222,9 +225,10 @@ class Optimized:
     def __call__(self, *args, **kwargs):
         fast = self._fast
         if fast is not None and not kwargs:
-            out = fast(*args)  # None unless this is exactly the signature it was made for
+            call, eager = fast
+            out = call(*args)  # None unless this is exactly the signature it was made for
             if out is not None:
-                return out
+                return out[0] if eager else out
         root = self._root
         if kwargs or root is not None or self._tensor_defaults:
             return self._call_general(args, kwargs)
@@ -247,6 +251,8 @@ class Optimized:
             hit = self._bind(key, args, kwargs, allow_search=True)
         binding = hit[0]
         if binding is None:
+            if self._fast_ok and key != self._fast_key and key not in self._fast_off:
+                self._offer_fast(key, None, args, None)
             return self.fn(*args)
         out = binding(tensors)
         if binding.plan is not None and self._fast_ok and key != self._fast_key and binding.fast != "off":
@@ -254,8 +260,9 @@ class Optimized:
         return out
 
     def _offer_fast(self, key: tuple, binding, args: tuple, out) -> None:
-        """After a Python-path call of a plan-bound signature: make the C++ fast call for it (first
-        signature, or one that keeps coming while another holds the fast path)."""
+        """After a Python-path call of a plan-bound signature (binding) or of one decided eager (binding
+        None): make the C++ fast call for it (first signature, or one that keeps coming while another
+        holds the fast path)."""
         from forge import fastcall
 
         if self._fast is not None:
@@ -263,20 +270,25 @@ class Optimized:
             self._fast_misses[key] = n
             if n < _FAST_SWITCH:
                 return
-        tensor_pos = [k for k, a in enumerate(args) if isinstance(a, _hot["Tensor"])]
-        sources = [tensor_pos[i] if i is not None else d for i, d in binding.slots]
         with self._lock:
             try:
-                fc = fastcall.make(binding.plan, args, sources, out, key[0])
+                if binding is None:
+                    fc = fastcall.make_eager(self.fn, args, key[0], key[1])
+                else:
+                    tensor_pos = [k for k, a in enumerate(args) if isinstance(a, _hot["Tensor"])]
+                    sources = [tensor_pos[i] if i is not None else d for i, d in binding.slots]
+                    fc = fastcall.make(binding.plan, args, sources, out, key[0])
             except fastcall.Unsupported as exc:
-                binding.fast = "off"
-                binding.fast_reason = str(exc)
+                self._fast_off[key] = str(exc)
+                if binding is not None:
+                    binding.fast, binding.fast_reason = "off", str(exc)
                 return
             if fc is None:  # the extension is still building: the next call asks again
                 return
-            self._fast, self._fast_key = fc, key
+            self._fast, self._fast_key = (fc, binding is None), key
             self._fast_misses.clear()
-            binding.fast = "C++"
+            if binding is not None:
+                binding.fast = "C++"
 
     def _extra_state(self) -> tuple:
         """What the trace depends on besides the arguments: a module's state, or the scalar globals and

@@ -283,3 +283,105 @@ def test_shim_routes_the_bound_signature_to_the_fast_call_and_follows_a_new_one(
         assert opt(c) == "PY"
     binding = opt._bound[next(k for k in opt._bound if k[2][0] == (3, 8))][0]
     assert binding.fast == "off" and binding.fast_reason == "no"
+
+
+# --- signatures decided eager: the C++ check, then the user's function ----------------------------------
+def _eager_spec(t):
+    return ("tensor", (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad, t.data_ptr() % 16 == 0,
+                       t.is_cuda, t.get_device()))
+
+
+def test_eager_call_runs_the_function_once_and_wraps_even_none(ext):
+    calls = []
+
+    def fn(x, scale):
+        calls.append(scale)
+        return None if scale == 0 else x * scale
+
+    x = torch.randn(4, 8)
+    e = ext.EagerCall(True, False, [_eager_spec(x), ("value", 2)], fn)
+    (y,) = e(x, 2)
+    assert torch.equal(y, x * 2) and calls == [2]
+    none = ext.EagerCall(True, False, [_eager_spec(x), ("value", 0)], fn)
+    assert none(x, 0) == (None,) and calls == [2, 0]  # a None result is a hit, not a miss
+    assert e(x, 3) is None and calls == [2, 0]  # a miss never runs the function
+
+
+@pytest.mark.parametrize("change", ["requires_grad", "misaligned", "grad_mode", "autocast", "device"])
+def test_eager_call_checks_what_the_python_key_holds(ext, change):
+    x = torch.randn(4, 8)
+    e = ext.EagerCall(True, False, [_eager_spec(x)], lambda t: t)
+    assert e(x) is not None
+    y, grad = torch.randn(4, 8), True
+    if change == "requires_grad":
+        y.requires_grad_(True)
+    elif change == "misaligned":
+        y = torch.randn(33)[1:].view(4, 8)
+    elif change == "grad_mode":
+        grad = False
+    elif change == "device":
+        y = y.to("meta")
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", enabled=change == "autocast"):
+        assert e(y) is None
+    # the other way round: a signature bound with grad required and autocast on matches only that
+    z = torch.randn(4, 8, requires_grad=True)
+    both = ext.EagerCall(True, True, [_eager_spec(z)], lambda t: t)
+    with torch.autocast("cpu"):
+        assert both(z) is not None and both(z.detach()) is None
+    assert both(z) is None
+
+
+def test_eager_call_lets_the_functions_exception_through(ext):
+    def boom(x):
+        raise KeyError("from the user's code")
+
+    x = torch.randn(2)
+    with pytest.raises(KeyError, match="from the user's code"):
+        ext.EagerCall(True, False, [_eager_spec(x)], boom)(x)
+
+
+def test_make_eager_is_for_cuda_tensors_only(monkeypatch):
+    with pytest.raises(fastcall.Unsupported, match="on CUDA"):
+        fastcall.make_eager(lambda t: t, (torch.randn(2),), True, False)
+    monkeypatch.setenv("FORGE_FASTCALL", "0")
+    with pytest.raises(fastcall.Unsupported, match="FORGE_FASTCALL=0"):
+        fastcall.make_eager(lambda t: t, (torch.randn(2),), True, False)
+
+
+def test_shim_serves_an_eager_signature_through_the_eager_call_once_per_call(monkeypatch):
+    """A signature decided eager gets an EagerCall (stand-in here): each call runs the function once,
+    also when it returns None; a refused signature is remembered and not asked again."""
+    import forge
+
+    runs = []
+
+    def f(x):
+        runs.append(1)
+        return None
+
+    made = []
+
+    def fake_make_eager(fn, args, grad, autocast):
+        assert fn is f and grad is torch.is_grad_enabled() and autocast is False
+        shape = tuple(args[0].shape)
+        made.append(shape)
+        return lambda *a: (fn(*a),) if tuple(a[0].shape) == shape else None
+
+    monkeypatch.setattr(fastcall, "make_eager", fake_make_eager)
+    opt = forge.optimize(f, search=False, warn=False)
+    x = torch.randn(2, 8)
+    assert opt(x) is None  # the first call traces (fx runs the body once) and runs f
+    base = len(runs)
+    for n in range(1, 4):
+        assert opt(x) is None and len(runs) == base + n  # once per call, through the eager call
+    assert made == [(2, 8)] and opt._fast[1] is True
+
+    def refuse(*a):
+        raise fastcall.Unsupported("not every tensor argument is on CUDA")
+    monkeypatch.setattr(fastcall, "make_eager", refuse)
+    monkeypatch.setattr(opt, "_fast", None)
+    y = torch.randn(3, 8)
+    assert opt(y) is None
+    base = len(runs)
+    assert opt(y) is None and opt(y) is None and len(runs) == base + 2
+    assert list(opt._fast_off.values()) == ["not every tensor argument is on CUDA"]

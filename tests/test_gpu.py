@@ -122,16 +122,16 @@ def test_cpp_fast_path_launches_what_the_python_plan_does(tuned_rmsnorm):
     x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
     w = torch.randn(4096, device="cuda", dtype=torch.float16)
     f(x, w)
-    assert f._fast is not None, forge.explain(f, x, w)
+    assert f._fast is not None and f._fast[1] is False, forge.explain(f, x, w)  # a kernel's fast call
     assert forge.explain(f, x, w).launch.endswith("fast path: C++ (forge/_fastcall.cpp)")
     calls = []
-    real = f._fast
+    real = f._fast[0]
 
     def counting(*a):
         out = real(*a)
         calls.append(out is not None)
         return out
-    f._fast = counting
+    f._fast = (counting, False)
     x2 = torch.randn_like(x) * 2
     fast = f(x2, w)
     f._fast = None
@@ -139,7 +139,7 @@ def test_cpp_fast_path_launches_what_the_python_plan_does(tuned_rmsnorm):
     binding = next(iter(f._bound.values()))[0]
     plan, binding.plan = binding.plan, None
     jit = f(x2, w)
-    binding.plan, f._fast = plan, counting
+    binding.plan, f._fast = plan, (counting, False)
     assert calls == [True] and torch.equal(fast, python) and torch.equal(fast, jit)
     # on a side stream, ordered after the producer of its input
     s = torch.cuda.Stream()
@@ -160,6 +160,33 @@ def test_cpp_fast_path_launches_what_the_python_plan_does(tuned_rmsnorm):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook.append)
     assert calls[-1] is False and hook  # the JIT path ran, and the hook saw it
+
+
+def test_eager_signatures_on_cuda_get_the_cpp_eager_call():
+    """A signature decided eager (here: no cached kernel, searching off) is served by the C++ eager call:
+    the function runs once per call, with its own result, and another signature still takes the Python
+    path."""
+    import torch
+
+    import forge
+    from forge import fastcall
+
+    assert fastcall.module(wait=True) is not None, fastcall.error()
+    runs = []
+
+    def cumsum_rows(x):  # no op family matches: eager
+        runs.append(1)
+        return x.cumsum(-1)
+
+    f = forge.optimize(cumsum_rows, warn=False)
+    x = torch.randn(8, 256, device="cuda")
+    assert torch.equal(f(x), x.cumsum(-1))
+    assert f._fast is not None and f._fast[1] is True, f._fast_off
+    before = len(runs)
+    y = torch.randn(8, 256, device="cuda")
+    assert torch.equal(f(y), y.cumsum(-1)) and len(runs) == before + 1
+    z = torch.randn(4, 256, device="cuda")
+    assert torch.equal(f(z), z.cumsum(-1))
 
 
 def test_shim_kernel_replays_inside_a_cuda_graph(tuned_rmsnorm):
