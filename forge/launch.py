@@ -1,5 +1,7 @@
 """The fast launch path for bound kernels on CUDA: replay the Triton `CompiledKernel` launches that a
-rendered module's `launch()` makes, calling each kernel's compiled launcher directly.
+rendered module's `launch()` makes, calling each kernel's compiled launcher directly: Triton's C launch
+function where the launcher's Python wrapper is a known layout (3.6, 3.9), else the launcher object.
+(forge/fastcall.py goes one step further, into C++, for plain positional calls.)
 
 Why: a Triton JIT launch (`kernel[grid](...)`) costs ~17.5 µs of host time on the H200 machine
 (argument binding, specialisation key, cache lookup), more than a decode-shape rmsnorm takes on the
@@ -15,8 +17,9 @@ Recording is self-checking, so a Triton version that launches differently is det
      exit_hook, *kernel_args) with `function`/`packed_metadata` those of the kernel, no launch hooks
      active (None or an empty HookChain), and every tensor argument identical (by data pointer) to
      exactly one of the op's inputs or its output; other arguments must be plain scalars.
-  3. The replayed launches must reproduce the JIT path's output bit for bit on the same inputs.
-Anything else: no plan, and the binding keeps using the JIT path (`Plan.refused` says why).
+  3. The replayed launches must reproduce the JIT path's output bit for bit on the same inputs (the
+     direct C launch first, the launcher objects if that fails).
+Anything else: no plan, and the binding keeps using the JIT path (`forge.explain(...).launch` says why).
 """
 
 from __future__ import annotations
