@@ -176,6 +176,35 @@ def launch_row(ln) -> tuple:
     return (int(ln.function), gx, gy, gz, 32 * md.num_warps, md.shared, launch_params(ln))
 
 
+def _ready_module(args: tuple):
+    """The built extension for a call of `args`, or None while it builds; raises Unsupported when the
+    call cannot be served (too many arguments) or the build failed."""
+    if len(args) > 64:
+        raise Unsupported("more than 64 arguments")
+    mod = module()  # first: while the extension builds, every Python-path call asks again, cheaply
+    if mod is None and error() is not None:
+        raise Unsupported(error())
+    return mod
+
+
+def _arg_specs(args: tuple, full: bool) -> list[tuple]:
+    """Per positional argument, ("tensor", layout) or ("value", v). A kernel's layout is (sizes, strides,
+    dtype), the rest being fixed by what the shim binds kernels for; `full` adds requires_grad, 16-byte
+    alignment, is_cuda and device index, as the Python key has them (forge/shim.py _tensor_sig)."""
+    import torch
+
+    specs = []
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            specs.append(("value", a))
+        elif full:
+            specs.append(("tensor", (tuple(a.shape), tuple(a.stride()), a.dtype, a.requires_grad,
+                                     a.data_ptr() % 16 == 0, a.is_cuda, a.get_device())))
+        else:
+            specs.append(("tensor", (tuple(a.shape), tuple(a.stride()), a.dtype)))
+    return specs
+
+
 def make(plan, args: tuple, sources: list, out, grad: bool):
     """A FastCall for a binding's compiled plan and the positional call `args` that bound it.
 
@@ -188,23 +217,14 @@ def make(plan, args: tuple, sources: list, out, grad: bool):
     reason = policy()
     if reason is not None:
         raise Unsupported(reason)
-    if len(args) > 64:
-        raise Unsupported("more than 64 arguments")
-    mod = module()  # first: while the extension builds, every Python-path call asks again, cheaply
+    mod = _ready_module(args)
     if mod is None:
-        if error() is not None:
-            raise Unsupported(error())
         return None
     rows = [launch_row(ln) for ln in plan.launches]
-    specs = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            specs.append(("tensor", (tuple(a.shape), tuple(a.stride()), a.dtype)))
-        else:
-            specs.append(("value", a))
-    return mod.FastCall(grad, plan.device_index, specs, list(sources), (tuple(out.shape), tuple(out.stride()),
-                        out.dtype), rows, knobs.runtime, getattr(knobs, "HookChain", None),
-                        torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice)
+    out_layout = (tuple(out.shape), tuple(out.stride()), out.dtype)
+    return mod.FastCall(grad, plan.device_index, _arg_specs(args, full=False), list(sources), out_layout, rows,
+                        knobs.runtime, getattr(knobs, "HookChain", None), torch._C._cuda_getCurrentRawStream,
+                        torch._C._cuda_getDevice)
 
 
 def make_eager(fn, args: tuple, grad: bool, autocast: bool):
@@ -219,18 +239,7 @@ def make_eager(fn, args: tuple, grad: bool, autocast: bool):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors or not all(t.is_cuda for t in tensors):
         raise Unsupported("not every tensor argument is on CUDA")
-    if len(args) > 64:
-        raise Unsupported("more than 64 arguments")
-    mod = module()
+    mod = _ready_module(args)
     if mod is None:
-        if error() is not None:
-            raise Unsupported(error())
         return None
-    specs = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            specs.append(("tensor", (tuple(a.shape), tuple(a.stride()), a.dtype, a.requires_grad,
-                                     a.data_ptr() % 16 == 0, a.is_cuda, a.get_device())))
-        else:
-            specs.append(("value", a))
-    return mod.EagerCall(grad, autocast, specs, fn)
+    return mod.EagerCall(grad, autocast, _arg_specs(args, full=True), fn)
