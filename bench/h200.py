@@ -52,8 +52,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
+    from forge import ops
     from forge.env import collect_env
-    from forge_cli import ops
 
     env = collect_env("cuda")
     bw = copy_bandwidth_tbps()

@@ -185,8 +185,8 @@ def main() -> int:
     import torch.nn.functional as F
 
     import forge
+    from forge import ops
     from forge.env import collect_env
-    from forge_cli import ops
 
     env = collect_env("cuda")
     from forge import fastcall

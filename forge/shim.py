@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forge import key as keys
 from forge.cache import Cache, CacheError, default_cache_path
-from forge.loader import load_module, source_sha256, write_source
-from forge.spec import cache_key
+from forge.loader import load_module, write_source
+from forge.spec import DTYPES, dtype_name
 
-_DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
-_INDEX_DTYPES = {"torch.int64": "int64", "torch.int32": "int32"}
 ALIGNMENT = 16  # bytes; kernels are validated on freshly allocated (>= 256-byte aligned) tensors
 
 
@@ -52,6 +51,23 @@ class Explanation:
             return (f"forge kernel {self.op}/{self.variant}({self.params}) [{self.key[:12]}]: "
                     f"{self.reason}{how}")
         return f"eager: {self.reason}"
+
+
+# The runtime never imports the tuner (imports point down: docs/adr/0002-layers.md). The package facade
+# (forge/__init__.py) installs the function that searches on a cache miss; it imports the tuner lazily.
+_search_on_miss: Callable[..., Any] | None = None
+
+
+def set_searcher(fn: Callable[..., Any] | None) -> None:
+    """fn(op_name, shape, dtype, *, device, cache, attrs, budget, gpu) searches and stores a decision."""
+    global _search_on_miss
+    _search_on_miss = fn
+
+
+def _searcher() -> Callable[..., Any]:
+    if _search_on_miss is None:
+        raise RuntimeError("forge.shim has no searcher installed (forge/__init__.py installs it on import)")
+    return _search_on_miss
 
 
 def _search_enabled(flag: bool) -> bool:
@@ -346,7 +362,7 @@ class Optimized:
     def _decide(self, args, kwargs, allow_search: bool):
         import torch
 
-        from forge.trace import Untraceable, canonical
+        from forge.trace import Untraceable, canonical, describe
 
         def eager(reason: str, **kw) -> tuple[None, Explanation]:
             return None, Explanation("eager", reason, **kw)
@@ -355,7 +371,7 @@ class Optimized:
             traced = canonical(self.fn, args, kwargs)
         except Untraceable as exc:
             return eager(f"cannot trace: {exc}")
-        from forge_cli import ops
+        from forge import ops
 
         found = None
         for name in sorted(ops.available()):
@@ -365,7 +381,7 @@ class Optimized:
                 found = (op, *res)
                 break
         if found is None:
-            return eager(f"no op family matches this computation ({_describe(traced.expr)})")
+            return eager(f"no op family matches this computation ({describe(traced.expr)})")
         op, indices, attrs = found
         tensors = traced.tensors
         if self._root is None and traced.params:
@@ -389,9 +405,9 @@ class Optimized:
         if any(t.data_ptr() % ALIGNMENT for t in inputs):
             return eager(f"input not {ALIGNMENT}-byte aligned (kernels are validated on aligned inputs)",
                          op=op.name)
-        dtype = _DTYPES.get(str(x.dtype))
+        dtype = dtype_name(x.dtype)
         problem = getattr(op.module, "problem", None)
-        if dtype is None or (problem is None and any(str(t.dtype) != str(x.dtype) for t in inputs)):
+        if dtype not in DTYPES or (problem is None and any(str(t.dtype) != str(x.dtype) for t in inputs)):
             return eager(f"unsupported dtype mix {[str(t.dtype) for t in inputs]}", op=op.name)
         shape = tuple(x.shape)
         if problem is not None:  # ops whose problem size is not just the first input's shape
@@ -412,24 +428,19 @@ class Optimized:
             spec = op.module.make_spec(shape, dtype, "cuda" if backend == "cuda" else "cpu", attrs)
         except ValueError as exc:
             return eager(f"{op.name} does not support this call: {exc}", op=op.name)
-        names = {**_DTYPES, **_INDEX_DTYPES}
-        actual = [(tuple(t.shape), names.get(str(t.dtype), str(t.dtype))) for t in inputs]
+        actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
         if actual != [(s.shape, s.dtype) for s in spec.inputs]:
             return eager(f"input shapes/dtypes {actual} do not fit {op.name}'s kernel", op=op.name)
 
-        from forge.env import collect_env
-
-        env = {**collect_env(backend), "templates": op.template_hash}
-        key = cache_key(spec, env)
+        device_index = x.device.index if backend == "cuda" else None
+        loc = keys.locate(op, spec, backend, device_index)
+        key = loc.key
         try:
             cache = Cache(self.cache_path or default_cache_path())
             entry = cache.get(key)
             if entry is None and allow_search and _search_enabled(self.search):
-                from forge_cli import engine
-
-                engine.search(op.name, shape, dtype,
-                              device="cuda" if backend == "cuda" else "cpu", cache=cache, attrs=attrs,
-                              options=engine.SearchOptions(budget=self.budget))
+                _searcher()(op.name, shape, dtype, device=keys.spec_device(backend), cache=cache, attrs=attrs,
+                            budget=self.budget, gpu=device_index)
                 entry = cache.get(key)
         except CacheError as exc:
             return eager(f"cache unusable: {exc}", op=op.name, key=key)
@@ -440,10 +451,10 @@ class Optimized:
         if entry.decision == "eager":
             return eager("cached decision is eager (no candidate beat eager by the required margin)",
                          op=op.name, key=key)
-        if not _intact(entry):
+        if not keys.source_intact(entry):
             return eager("cached kernel source does not match its sha256; not loaded", op=op.name, key=key)
-        if entry.env != env:
-            diff = sorted(k for k in set(env) | set(entry.env) if env.get(k) != entry.env.get(k))
+        if entry.env != loc.env:
+            diff = keys.env_diff(entry.env, loc.env)
             return eager(f"cached entry was made for another environment ({', '.join(diff)})",
                          op=op.name, key=key)
         module = _load_kernel(entry, cache)
@@ -451,10 +462,6 @@ class Optimized:
                           variant=entry.variant, params=entry.params)
         return _Binding(op.module, module, spec, indices, inputs, attrs, traced.params,
                         x.device.index if backend == "cuda" else None), why
-
-
-def _intact(entry) -> bool:
-    return entry.source is not None and source_sha256(entry.source) == entry.source_sha256
 
 
 def _load_kernel(entry, cache: Cache):
@@ -475,17 +482,6 @@ def _is_tensor(v) -> bool:
     return t.__module__.startswith("torch") and any(c.__name__ == "Tensor" for c in t.__mro__)
 
 
-def _describe(expr, depth: int = 3) -> str:
-    if not isinstance(expr, tuple) or not expr:
-        return repr(expr)
-    if depth == 0:
-        return "..."
-    head, *rest = expr
-    if head in ("input", "const", "opaque"):
-        return f"{head} {rest[0]!r}" if rest else head
-    return f"{head}({', '.join(_describe(r, depth - 1) for r in rest)})"
-
-
 def optimize(fn: Callable | None = None, **options):
     """Decorator: `@forge.optimize` or `@forge.optimize(budget=50, search=True, warn=True,
     interpreter=None, cache=None)`."""
@@ -497,33 +493,32 @@ def optimize(fn: Callable | None = None, **options):
 def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=None, **attrs):
     """A callable for an already-tuned op, without a decorator: `forge.load("rmsnorm", (2048, 4096),
     "float16")(x, w)`. Raises LookupError (with the reason) when no kernel decision is cached."""
-    from forge.env import collect_env
-    from forge_cli import ops
+    from forge import ops
 
     fam = ops.get(op)
     backend = "cuda" if str(device).startswith("cuda") else "interpreter"
-    spec = fam.module.make_spec(tuple(shape), dtype, "cuda" if backend == "cuda" else "cpu", attrs)
-    env = {**collect_env(backend), "templates": fam.template_hash}
+    device_index = _device_index(device) if backend == "cuda" else None
+    spec = fam.module.make_spec(tuple(shape), dtype, keys.spec_device(backend), attrs)
+    loc = keys.locate(fam, spec, backend, device_index)
     db = Cache(cache or default_cache_path())
-    entry = db.get(cache_key(spec, env))
+    entry = db.get(loc.key)
     if entry is None:
         raise LookupError(f"{op} {shape} {dtype} on {backend} is not tuned in {db.path}: run `forge search`")
     if entry.decision != "kernel":
         raise LookupError(f"{op} {shape} {dtype}: the cached decision is eager (no kernel beat it)")
-    if not _intact(entry):
+    if not keys.source_intact(entry):
         raise LookupError(f"{op} {shape} {dtype}: cached source does not match its sha256")
-    if entry.env != env:  # the key already covers the environment; this guards an entry stored under a wrong key
+    if entry.env != loc.env:  # the key already covers the environment; this guards an entry stored under a wrong key
         raise LookupError(f"{op} {shape} {dtype}: cached entry was made for another environment")
     module = _load_kernel(entry, db)
     binding = _Binding(fam.module, module, spec, list(range(len(spec.inputs))), (None,) * len(spec.inputs),
-                       spec.attrs, device_index=_device_index(device) if backend == "cuda" else None)
+                       spec.attrs, device_index=device_index)
     want = [(s.shape, s.dtype) for s in spec.inputs]
-    names = {**_DTYPES, **_INDEX_DTYPES}
 
     def call(*tensors):
         # No trace to vouch for the arguments here: check them against the spec the kernel was
         # validated for (a wrong shape would read out of bounds, not raise).
-        got = [(tuple(t.shape), names.get(str(t.dtype), str(t.dtype))) for t in tensors]
+        got = [(tuple(t.shape), dtype_name(t.dtype)) for t in tensors]
         if got != want:
             raise ValueError(f"forge.load({op!r}) kernel takes {want}, got {got}")
         if any(not t.is_contiguous() or t.data_ptr() % ALIGNMENT or t.device.type != backend.replace(

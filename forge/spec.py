@@ -1,7 +1,7 @@
 """What a kernel is asked to compute: the op, its input tensors and its scalar attributes.
 
 Import-light on purpose (stdlib only): the runtime shim builds a KernelSpec on every first call
-of a new signature, and the cache key is derived from it.
+of a new signature, and the cache key is derived from it (forge/key.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ DTYPES = ("float16", "bfloat16", "float32")  # compute dtypes: what `--dtype` an
 # Every dtype a spec's tensor may have: index tensors (cross-entropy targets) are integers.
 TENSOR_DTYPES = (*DTYPES, "int64", "int32")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int64": 8, "int32": 4}
+
+
+def dtype_name(dtype) -> str:
+    """A torch dtype's name as specs spell it (torch.float16 -> 'float16'); other dtypes keep their name."""
+    name = str(dtype)
+    return name[len("torch."):] if name.startswith("torch.") else name
 
 
 def canonical_json(obj: Any) -> str:
@@ -112,11 +118,6 @@ class KernelSpec:
 
     def __hash__(self) -> int:  # attrs is a dict, so the dataclass default would fail
         return hash(self.canonical())
-
-
-def cache_key(spec: KernelSpec, env: dict[str, Any]) -> str:
-    """Cache key = hash(spec, env). Any change of GPU, driver, versions or templates is a new key."""
-    return hashlib.sha256(canonical_json({"spec": spec.to_dict(), "env": env}).encode()).hexdigest()
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

@@ -446,3 +446,15 @@ def canonical(fn, args: tuple, kwargs: dict) -> Traced:
     """Trace `fn(*args, **kwargs)`; return its output's expression tree and the tensors it reads."""
     g = TraceGraph(fn, args, kwargs)
     return g.expr(g.output_node())
+
+
+def describe(expr, depth: int = 3) -> str:
+    """A short reading of a canonical expression, for "no op family matches (...)" reasons."""
+    if not isinstance(expr, tuple) or not expr:
+        return repr(expr)
+    if depth == 0:
+        return "..."
+    head, *rest = expr
+    if head in ("input", "const", "opaque"):
+        return f"{head} {rest[0]!r}" if rest else head
+    return f"{head}({', '.join(describe(r, depth - 1) for r in rest)})"

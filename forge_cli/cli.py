@@ -21,10 +21,10 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from forge.cache import AmbiguousKey, Cache, CacheError, KeyNotFound, default_cache_path
+from forge.errors import EXIT_CODES_HELP, ExitCode, ForgeError, UsageError
 from forge.spec import parse_shape
-from forge_cli import engine
-from forge_cli import manifest as manifest_mod
-from forge_cli.errors import EXIT_CODES_HELP, ExitCode, ForgeError, UsageError
+from forge.tuner import engine
+from forge.tuner import manifest as manifest_mod
 
 app = typer.Typer(
     name="forge",
@@ -259,7 +259,7 @@ def search(
 
 def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json_out: bool,
                      devices: str | None = None, executor: str = "local", address: str | None = None) -> None:
-    from forge_cli import batch
+    from forge.tuner import batch
 
     if executor not in ("local", "ray"):
         raise UsageError(f"--executor {executor!r}: expected local or ray")

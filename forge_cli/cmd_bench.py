@@ -18,8 +18,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from forge.cache import CacheError
-from forge_cli import benchmark, stats
-from forge_cli.errors import ExitCode, ForgeError, UsageError
+from forge.errors import ExitCode, ForgeError, UsageError
+from forge.tuner import benchmark, stats
 
 BENCH_CSV_FIELDS = ("op", "shape", "dtype", "attrs", "key", "contestant", "label", "status", "clock", "p20_us",
                     "p50_us", "p80_us", "n", "speedup", "pct_roofline", "achieved_tbps", "achieved_tflops", "bound",
@@ -236,9 +236,10 @@ class _Progress:
 # -- the command ----------------------------------------------------------------------------------------
 def _targets(c, *, op, shape, manifest, attr, recheck, remeasure, cli_vals, db_path):
     """(backend, cache, targets) for the selection; UsageError for a bad one."""
+    from forge import ops
     from forge.spec import parse_shape
-    from forge_cli import engine, ops
-    from forge_cli import manifest as manifest_mod
+    from forge.tuner import engine
+    from forge.tuner import manifest as manifest_mod
 
     env = os.environ
     if manifest is not None:
@@ -274,8 +275,8 @@ def _targets(c, *, op, shape, manifest, attr, recheck, remeasure, cli_vals, db_p
 
 
 def register(app: typer.Typer, cache_app: typer.Typer) -> None:
+    from forge.tuner import manifest as manifest_mod
     from forge_cli import cli as c
-    from forge_cli import manifest as manifest_mod
 
     @app.command("bench")
     def bench(

@@ -16,9 +16,9 @@ def register(app: typer.Typer, cache_app: typer.Typer) -> None:
     from rich.table import Table
 
     from forge.cache import Cache, CacheError
-    from forge_cli import bundle
+    from forge.errors import ExitCode, ForgeError, UsageError
+    from forge.tuner import bundle
     from forge_cli.cli import CacheOpt, JsonOpt, _age, _entry_row, _fail, _open_cache, err, out
-    from forge_cli.errors import ExitCode, ForgeError, UsageError
 
     TrustOpt = Annotated[bool, typer.Option(
         "--trust", help="Also import kernel entries whose source does not re-render from the installed "

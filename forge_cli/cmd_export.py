@@ -12,13 +12,13 @@ import typer
 
 
 def register(app: typer.Typer, cache_app: typer.Typer) -> None:
+    from forge import ops
     from forge.cache import CacheError
+    from forge.errors import ForgeError, UsageError
     from forge.spec import parse_shape
-    from forge_cli import export as export_mod
-    from forge_cli import manifest as manifest_mod
-    from forge_cli import ops
+    from forge.tuner import export as export_mod
+    from forge.tuner import manifest as manifest_mod
     from forge_cli.cli import CacheOpt, JsonOpt, _cache_exit, _fail, _open_cache, _parse_attrs, err, out
-    from forge_cli.errors import ForgeError, UsageError
 
     @app.command("export")
     def export_cmd(

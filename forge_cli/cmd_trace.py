@@ -10,8 +10,8 @@ from rich.table import Table
 
 
 def register(app: typer.Typer, cache_app: typer.Typer) -> None:
+    from forge.errors import ExitCode, ForgeError, UsageError
     from forge_cli import cli
-    from forge_cli.errors import ExitCode, ForgeError, UsageError
 
     @app.command("trace")
     def trace_cmd(
@@ -32,7 +32,8 @@ def register(app: typer.Typer, cache_app: typer.Typer) -> None:
         cache: cli.CacheOpt = None,
     ) -> None:
         """List every op in a model/function with its shapes and whether forge can tune it (and why not)."""
-        from forge_cli import engine, manifest, tracecmd
+        from forge.tuner import engine, manifest
+        from forge.tuner import tracetools as tracecmd
 
         try:
             if dtype is not None and dtype not in ("float16", "bfloat16", "float32"):

@@ -26,8 +26,8 @@ logits that are not 2-D (torch's (N, C, d1, ...) form puts the classes in dim 1)
 
 from __future__ import annotations
 
+from forge import opkit
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "cross_entropy"
 SUMMARY = "F.cross_entropy(logits (M, V), target (M,)), reduction mean/sum/none, ignore_index"

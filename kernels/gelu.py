@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
+from forge import opkit
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "gelu"
 SUMMARY = "F.gelu(x, approximate='none' | 'tanh'), elementwise over any shape"
@@ -64,7 +64,7 @@ def run(module, inputs, out, attrs) -> None:
     module.launch(inputs[0].reshape(-1), out.view(-1))
 
 
-# The flat/persistent elementwise space (H200 measurements that chose it: forge_cli/opkit.py).
+# The flat/persistent elementwise space (H200 measurements that chose it: forge/opkit.py).
 space = opkit.elementwise_space
 default = opkit.elementwise_default
 test_candidates = opkit.elementwise_test_candidates

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
+from forge import opkit
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "layer_norm"
 SUMMARY = "F.layer_norm(x, (N,), w, b, eps)"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from forge import opkit
 from forge.spec import KernelSpec
-from forge_cli import opkit
 
 NAME = "log_softmax"
 SUMMARY = "log_softmax(x, dim=-1)"

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 
+from forge import opkit
 from forge.spec import ITEMSIZE, KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "matmul"
 SUMMARY = "A @ B (mm, bmm; no broadcasting)"
@@ -306,7 +306,7 @@ _BASE_TOLERANCE = {
     "float16": opkit.Tolerance(rel_norm=2e-3, atol=1e-5, rtol=2e-3),
     "bfloat16": opkit.Tolerance(rel_norm=1e-2, atol=1e-5, rtol=1.6e-2),
 }
-# The K that tolerance(dtype) assumes when it is not told K (forge_cli/validate.py passes only the
+# The K that tolerance(dtype) assumes when it is not told K (forge/tuner/validate.py passes only the
 # dtype): the bound then holds for K <= 65536. A larger K can make a correct kernel fail validation,
 # which only means eager is used; see tolerance_for(spec).
 K_ASSUMED = 65536

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
+from forge import opkit
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "reduce"
 SUMMARY = "x.sum / x.mean / x.amax / x.argmax over dim=-1 [keepdim]"

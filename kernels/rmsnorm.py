@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from forge import opkit
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "rmsnorm"
 SUMMARY = "x * rsqrt(mean(x^2, -1) + eps) * w"

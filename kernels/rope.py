@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
+from forge import opkit
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "rope"
 SUMMARY = "x * cos + rotate_half(x) * sin; x (B,H,S,D), cos/sin (S,D)"

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import math
 
+from forge import opkit
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "sdpa"
 SUMMARY = "F.scaled_dot_product_attention(q, k, v, is_causal, scale, enable_gqa) forward"
@@ -99,6 +99,13 @@ def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | Non
     return KernelSpec(NAME, (TensorSpec((b, hq, sq, d), dtype, device=device),
                              TensorSpec((b, hkv, skv, d), dtype, device=device),
                              TensorSpec((b, hkv, skv, d), dtype, device=device)), a)
+
+
+def problem_shape(spec: KernelSpec) -> tuple[int, ...]:
+    """(B, Hq, Sq, Skv, D): the shape make_spec builds `spec` from."""
+    q, k, _ = spec.inputs
+    b, hq, sq, d = q.shape
+    return (b, hq, sq, k.shape[2], d)
 
 
 def problem(inputs, attrs: dict) -> tuple[int, ...]:

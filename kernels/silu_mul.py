@@ -9,8 +9,8 @@ Not a row op: the search space is a flat elementwise one (see `space`), with two
 
 from __future__ import annotations
 
+from forge import opkit
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "silu_mul"
 SUMMARY = "F.silu(a) * b (SwiGLU gate), elementwise over any shape"
@@ -69,7 +69,7 @@ def run(module, inputs, out, attrs) -> None:
     module.launch(a.reshape(-1), b.reshape(-1), out.view(-1))
 
 
-# The flat/persistent elementwise space (H200 measurements that chose it: forge_cli/opkit.py).
+# The flat/persistent elementwise space (H200 measurements that chose it: forge/opkit.py).
 space = opkit.elementwise_space
 default = opkit.elementwise_default
 test_candidates = opkit.elementwise_test_candidates

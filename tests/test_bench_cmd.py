@@ -13,10 +13,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from forge import ops
 from forge.cache import Cache
 from forge.loader import source_sha256
-from forge_cli import benchmark, cli, cmd_bench, engine, ops, stats
-from forge_cli.validate import compare
+from forge.tuner import benchmark, engine, stats
+from forge.tuner.validate import compare
+from forge_cli import cli, cmd_bench
 from tests.conftest import HAS_CUDA
 
 runner = CliRunner()

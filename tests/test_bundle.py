@@ -14,9 +14,11 @@ from typer.testing import CliRunner
 
 import forge
 from forge.cache import Cache
+from forge.key import cache_key
 from forge.loader import source_sha256
-from forge.spec import KernelSpec, cache_key
-from forge_cli import bundle, cli
+from forge.spec import KernelSpec
+from forge.tuner import bundle
+from forge_cli import cli
 from tests.conftest import HAS_CUDA
 from tests.test_export import kernel_entry
 

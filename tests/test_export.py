@@ -18,12 +18,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from forge import codegen, ops
 from forge._version import __version__
 from forge.cache import Cache, Entry
 from forge.env import collect_env
+from forge.key import cache_key
 from forge.loader import source_sha256
-from forge.spec import cache_key
-from forge_cli import cli, codegen, engine, export, ops, stats, validate
+from forge.tuner import engine, export, stats, validate
+from forge_cli import cli
 from tests.conftest import HAS_CUDA
 
 pytestmark = pytest.mark.skipif(HAS_CUDA, reason="exercises the interpreter path (CPU tensors)")
@@ -395,7 +397,7 @@ def test_an_op_whose_glue_needs_forge_is_refused_by_name(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_OPS_PATH", str(tmp_path))
     op = ops.get("forgeful")
     with pytest.raises(export.NotExportable, match=r"forgeful cannot be exported standalone: .*run.*'opkit' "
-                                                   r"from forge_cli, which is part of forge"):
+                                                   r"from forge, which is part of forge"):
         export.glue(op, 1)
     # The same op's unmodified glue exports fine (helpers and imports it uses are copied along).
     assert "def run(" in export.glue(ops.get("softmax"), 1).source

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from forge.cache import Cache
-from forge_cli import engine
+from forge.tuner import engine
 from tests.fault_ops.faulty import EXPECTED
 
 pytestmark = pytest.mark.slow
@@ -42,10 +42,10 @@ def test_search_survives_every_fault_and_records_reasons(tmp_path, fault_ops):
 
 def test_worker_pool_replaces_dead_workers(tmp_path, fault_ops):
     """After crashes and a timeout the pool still answers with healthy workers."""
+    from forge import codegen, ops
     from forge.loader import write_source
-    from forge_cli import codegen, ops
-    from forge_cli.opkit import Candidate
-    from forge_cli.pool import Pool
+    from forge.opkit import Candidate
+    from forge.tuner.pool import Pool
 
     op = ops.get("faulty")
     spec = op.module.make_spec((2, 8), "float32", "cpu")

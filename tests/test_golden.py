@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from forge import codegen, ops
+from forge import key as keys
 from forge.spec import DTYPES
-from forge_cli import codegen, engine, ops
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 WRITE = os.environ.get("FORGE_WRITE_GOLDEN") == "1"
@@ -101,10 +102,10 @@ def _key_cases():
 
 def _golden_key(op_name, shape, dtype, attrs, backend, monkeypatch) -> str | None:
     """The key a search for these arguments uses, with the environment and template hash fixed."""
-    monkeypatch.setattr(engine, "collect_env", lambda b, i=0: dict(FIXED_ENV[b]))
+    monkeypatch.setattr(keys, "collect_env", lambda b, i=0: dict(FIXED_ENV[b]))
     monkeypatch.setattr(ops.OpFamily, "template_hash", property(lambda self: f"templates-of-{self.name}"))
     try:
-        _, key = engine.spec_key(op_name, shape, dtype, backend, dict(attrs))
+        key = keys.request(op_name, shape, dtype, backend, dict(attrs)).key
     except Exception as exc:  # noqa: BLE001 - a refused spec is part of the golden record
         return f"refused: {type(exc).__name__}"
     return key

@@ -6,7 +6,7 @@ import pytest
 
 from forge import launch
 from forge.cache import Cache
-from forge_cli import engine
+from forge.tuner import engine
 from tests.fault_ops.faulty import EXPECTED
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +60,7 @@ def _rms(x, weight, eps=1e-6):
 @pytest.fixture
 def tuned_rmsnorm(monkeypatch):
     """A cached rmsnorm kernel for (64, 4096) float16, accepted whatever the timing says."""
-    from forge_cli import stats
+    from forge.tuner import stats
 
     monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)
     engine.search("rmsnorm", (64, 4096), "float16", device="cuda", cache=Cache(_default_db()), attrs={"eps": 1e-6},

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from forge.errors import UsageError
+from forge.tuner.manifest import Job, ManifestError, load, parse_shard, shard
 from forge_cli import cli
-from forge_cli.errors import UsageError
-from forge_cli.manifest import Job, ManifestError, load, parse_shard, shard
 from tests.conftest import ROOT
 
 runner = CliRunner()

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import forge
+from forge import codegen, ops
 from forge.loader import load_module, write_source
+from forge.opkit import DISTRIBUTIONS, Candidate
 from forge.spec import DTYPES
-from forge_cli import codegen, ops, stats
-from forge_cli.opkit import DISTRIBUTIONS, Candidate
-from forge_cli.validate import check_candidate, compare, poison
+from forge.tuner import stats
+from forge.tuner.validate import check_candidate, compare, poison
 from tests.conftest import DEVICE, HAS_CUDA
 
 OP = ops.get("matmul")
@@ -420,7 +421,7 @@ def test_decorated_bmm_equals_eager_after_a_search(monkeypatch):
     assert y.shape == (2, 31, 20) and y.dtype == a.dtype
     assert torch.allclose(y, t_bmm(a, b), rtol=1e-4, atol=1e-5)
     # New data, same signature: the bound kernel, no new search; the `@` spelling hits the same entry.
-    monkeypatch.setattr("forge_cli.engine.search", lambda *a, **k: pytest.fail("cache hit must not search"))
+    monkeypatch.setattr("forge.tuner.engine.search", lambda *a, **k: pytest.fail("cache hit must not search"))
     a2, b2 = torch.randn(2, 31, 19), torch.randn(2, 19, 20)
     assert torch.allclose(f(a2, b2), a2 @ b2, rtol=1e-4, atol=1e-5)
     g = forge.optimize(at, interpreter=True)

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import forge
+from forge import codegen, ops
 from forge.loader import load_module, write_source
-from forge_cli import codegen, engine, ops, stats
-from forge_cli.opkit import Candidate
-from forge_cli.validate import check_candidate, compare
+from forge.opkit import Candidate
+from forge.tuner import engine, stats
+from forge.tuner.validate import check_candidate, compare
 from tests.conftest import DEVICE, HAS_CUDA
 
 SEED = 4242

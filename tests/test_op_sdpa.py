@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 import forge
+from forge import codegen, ops
 from forge.loader import load_module, write_source
+from forge.opkit import Candidate
 from forge.spec import DTYPES
-from forge_cli import codegen, engine, ops, stats
-from forge_cli.opkit import Candidate
-from forge_cli.validate import check_candidate, compare
+from forge.tuner import engine, stats
+from forge.tuner.validate import check_candidate, compare
 from tests.conftest import DEVICE, HAS_CUDA
 
 OP = ops.get("sdpa")
@@ -265,11 +266,10 @@ def test_spellings_match_sdpa(fn, args, attrs):
     # the key is the one of the spec these attributes make: nothing else went into it
     same = forge.explain(forge.optimize(fn, interpreter=True), *args)
     assert e.key == same.key
-    from forge.env import collect_env
-    from forge.spec import cache_key
+    from forge import key as keys
 
     spec = MOD.make_spec((1, 4, 9, 11, 16), "float32", "cpu", attrs)
-    assert e.key == cache_key(spec, {**collect_env("interpreter"), "templates": OP.template_hash})
+    assert e.key == keys.locate(OP, spec, "interpreter").key
 
 
 @cpu_only

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import forge
+from forge import codegen, ops
 from forge.loader import load_module, write_source
+from forge.opkit import Candidate
 from forge.trace import canonical
-from forge_cli import codegen, ops, stats
-from forge_cli.opkit import Candidate
-from forge_cli.validate import check_candidate
+from forge.tuner import stats
+from forge.tuner.validate import check_candidate
 from tests.conftest import DEVICE, HAS_CUDA
 
 SEED = 11

@@ -10,9 +10,10 @@ import tomli_w
 from typer.testing import CliRunner
 
 from forge.cache import Cache
-from forge_cli import batch, cli
-from forge_cli.errors import UsageError
-from forge_cli.pool import worker_env
+from forge.errors import UsageError
+from forge.tuner import batch
+from forge.tuner.pool import worker_env
+from forge_cli import cli
 
 runner = CliRunner()
 MANIFEST = {"defaults": {"device": "cpu", "budget": 1, "workers": 1},

@@ -12,9 +12,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from forge import ops
 from forge.cache import Cache
 from forge.loader import load_module, write_source
-from forge_cli import cli, engine, ops, pool
+from forge.tuner import engine, pool
+from forge_cli import cli
 from tests.conftest import HAS_CUDA, ROOT
 
 pytestmark = pytest.mark.slow
@@ -53,7 +55,7 @@ def test_search_in_process_then_cache_hit_does_no_work(op, shape, dtype, monkeyp
         opmod = ops.get(op).module
         spec = opmod.make_spec(tuple(int(s) for s in shape.split("x")), dtype, "cpu")
         module = load_module(write_source(entry.source, tmp_path))
-        from forge_cli.validate import check_candidate
+        from forge.tuner.validate import check_candidate
 
         assert check_candidate(opmod, module, spec, 123, lambda: None) is None
 
@@ -129,8 +131,8 @@ def test_device_cuda_without_gpu_is_an_environment_error():
 
 def test_every_candidate_failing_exits_4_and_caches_nothing(fault_ops):
     # Budget 5 of the faulty op in grid order without the good variant: force failures only.
-    from forge_cli import strategy
-    from forge_cli.opkit import Candidate
+    from forge.opkit import Candidate
+    from forge.tuner import strategy
 
     bad = [Candidate.make(v, num_warps=1) for v in ("wrong", "nan", "raises")]
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import forge
 from forge.cache import Cache
-from forge_cli import engine, stats
+from forge.tuner import engine, stats
 from tests.conftest import HAS_CUDA, ROOT
 
 pytestmark = pytest.mark.skipif(HAS_CUDA, reason="exercises the interpreter path (CPU tensors)")
@@ -241,7 +241,7 @@ def test_first_call_is_thread_safe(monkeypatch):
 def test_import_is_light():
     code = ("import sys, time; import torch; t = time.perf_counter(); import forge; "
             "dt = time.perf_counter() - t; "
-            "bad = [m for m in ('typer', 'rich', 'jinja2', 'forge_cli.engine', 'triton') if m in sys.modules]; "
+            "bad = [m for m in ('typer', 'rich', 'jinja2', 'forge.tuner.engine', 'triton') if m in sys.modules]; "
             "print(dt, bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.split()

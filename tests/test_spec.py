@@ -8,11 +8,11 @@ import json
 
 import pytest
 
+from forge.key import cache_key
 from forge.spec import (
     DTYPES,
     KernelSpec,
     TensorSpec,
-    cache_key,
     canonical_json,
     contiguous_strides,
     parse_shape,

@@ -1,4 +1,4 @@
-"""forge_cli.stats: quantiles (checked against numpy's linear method) and the accept/reject rule."""
+"""forge.tuner.stats: quantiles (checked against numpy's linear method) and the accept/reject rule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from forge_cli.stats import ACCEPT_MARGIN, Quantiles, accepts, quantile, speedup
+from forge.tuner.stats import ACCEPT_MARGIN, Quantiles, accepts, quantile, speedup
 
 QS = [0.0, 0.2, 0.25, 0.5, 0.8, 0.9, 0.999, 1.0]
 
@@ -149,8 +149,8 @@ def test_speedup():
 def test_compare_rejects_wrong_signed_infinity_and_nan_oracle():
     import torch
 
-    from forge_cli.opkit import ROW_TOLERANCE
-    from forge_cli.validate import compare
+    from forge.opkit import ROW_TOLERANCE
+    from forge.tuner.validate import compare
 
     tol = ROW_TOLERANCE["float32"]
     ref = torch.tensor([1.0, float("-inf")], dtype=torch.float64)

@@ -1,13 +1,13 @@
-"""Pure tests of forge_cli.strategy: hand-built spaces and the real row-op spaces, no GPU, no I/O."""
+"""Pure tests of forge.tuner.strategy: hand-built spaces and the real row-op spaces, no GPU, no I/O."""
 
 from __future__ import annotations
 
 import pytest
 
+from forge.opkit import Candidate, Space, row_default, row_space
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import strategy
-from forge_cli.opkit import Candidate, Space, row_default, row_space
-from forge_cli.strategy import Grid, Random, _spread
+from forge.tuner import strategy
+from forge.tuner.strategy import Grid, Random, _spread
 
 # --- spaces -----------------------------------------------------------------------------------------
 

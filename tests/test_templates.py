@@ -14,11 +14,11 @@ import re
 import pytest
 import torch
 
+from forge import codegen, ops
 from forge.loader import load_module, write_source
+from forge.opkit import ROW_VARIANTS, Candidate, next_pow2, rows_cols
 from forge.spec import DTYPES
-from forge_cli import codegen, ops
-from forge_cli.opkit import ROW_VARIANTS, Candidate, next_pow2, rows_cols
-from forge_cli.validate import check_candidate
+from forge.tuner.validate import check_candidate
 from tests.conftest import DEVICE
 
 SEED = 20_240

@@ -11,7 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from forge_cli import cli, manifest, stats, tracecmd
+from forge.tuner import manifest, stats
+from forge.tuner import tracetools as tracecmd
+from forge_cli import cli
 
 runner = CliRunner()
 

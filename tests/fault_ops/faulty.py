@@ -6,8 +6,8 @@ The op itself is y = 2 * x over a [M, N] tensor.
 
 from __future__ import annotations
 
+from forge import opkit
 from forge.spec import KernelSpec, TensorSpec
-from forge_cli import opkit
 
 NAME = "faulty"
 SUMMARY = "2 * x, with deliberately broken variants"

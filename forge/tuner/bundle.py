@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forge import key as keys
 from forge._version import __version__
 from forge.cache import DECISIONS, SCHEMA_VERSION, Cache, Entry
+from forge.errors import UsageError
 from forge.loader import source_sha256
-from forge.spec import KernelSpec, cache_key
-from forge_cli.errors import UsageError
+from forge.spec import KernelSpec
 
 FORMAT = "forge-cache-bundle"
 FORMAT_VERSION = 1
@@ -148,7 +149,7 @@ def check_integrity(entry: Entry) -> None:
     """The checks `--trust` never overrides: the key is the entry's own, the source matches its hash."""
     try:
         spec = KernelSpec.from_dict(entry.spec)
-        key = cache_key(spec, entry.env)
+        key = keys.cache_key(spec, entry.env)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise Rejected(f"malformed spec or env ({exc})") from None
     if entry.key != key:
@@ -159,7 +160,7 @@ def check_integrity(entry: Entry) -> None:
     if entry.decision == "kernel":
         if entry.source is None or entry.variant is None or entry.params is None:
             raise Rejected("a kernel decision without source, variant or params")
-    if entry.source is not None and source_sha256(entry.source) != entry.source_sha256:
+    if entry.source is not None and not keys.source_intact(entry):
         raise Rejected("source does not match its source_sha256 (damaged or edited)")
 
 
@@ -167,8 +168,8 @@ def rerender(entry: Entry) -> str:
     """The source the installed templates give for the entry's spec, variant and params.
 
     Raises Untrusted when that is impossible (unknown op or variant, a template error)."""
-    from forge_cli import codegen, ops
-    from forge_cli.opkit import Candidate
+    from forge import codegen, ops
+    from forge.opkit import Candidate
 
     try:
         op = ops.get(entry.op)
@@ -190,7 +191,7 @@ def check_source(entry: Entry) -> None:
     if source_sha256(expected) != entry.source_sha256:
         stale = ""
         try:
-            from forge_cli import ops
+            from forge import ops
 
             if ops.get(entry.op).template_hash != entry.template_hash:
                 stale = " (the entry was made with other templates: template_hash differs)"
@@ -295,7 +296,7 @@ PRUNE_CRITERIA = ("env", "stale", "age")
 def prune_reasons(entries: list[Entry], *, env: bool, stale: bool, older_than_days: float | None,
                   now: float | None = None) -> list[tuple[Entry, list[str]]]:
     """(entry, reasons) for every entry that one of the chosen criteria removes."""
-    from forge_cli import ops
+    from forge import ops
 
     now = time.time() if now is None else now
     envs = this_machine_envs() if env else {}

@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge.spec import DTYPES
-from forge_cli import ops
-from forge_cli.errors import UsageError
-
-_DTYPE_NAMES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
+from forge import ops
+from forge.errors import UsageError
+from forge.spec import DTYPES, dtype_name
 
 
 @dataclass
@@ -189,7 +187,7 @@ def _describe_call(n) -> str:
 def find_regions(graph, device: str) -> tuple[list[Region], list[Unmatched]]:
     import torch
 
-    from forge.shim import _describe
+    from forge.trace import describe
 
     families = [ops.get(name) for name in sorted(ops.available())]
     calls = _call_nodes(graph)
@@ -211,7 +209,7 @@ def find_regions(graph, device: str) -> tuple[list[Region], list[Unmatched]]:
                     break
             if found:
                 break
-            reasons.setdefault(n, f"no op family matches ({_describe(traced.expr)})")
+            reasons.setdefault(n, f"no op family matches ({describe(traced.expr)})")
         if not found:
             continue
         fam, traced, indices, attrs = found
@@ -223,14 +221,13 @@ def find_regions(graph, device: str) -> tuple[list[Region], list[Unmatched]]:
         try:
             inputs = fam.module.fill_missing(picked)
             x = inputs[0]
-            dtype = _DTYPE_NAMES.get(str(x.dtype))
-            if dtype is None:
+            dtype = dtype_name(x.dtype)
+            if dtype not in DTYPES:
                 raise ValueError(f"dtype {x.dtype} is not supported")
             problem = getattr(fam.module, "problem", None)
             shape = tuple(problem(inputs, attrs)) if problem else tuple(x.shape)
             spec = fam.module.make_spec(shape, dtype, "cuda" if device == "cuda" else "cpu", attrs)
-            names = {**_DTYPE_NAMES, "torch.int64": "int64", "torch.int32": "int32"}
-            actual = [(tuple(t.shape), names.get(str(t.dtype), str(t.dtype))) for t in inputs]
+            actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
             if actual != [(s.shape, s.dtype) for s in spec.inputs]:
                 raise ValueError(f"input shapes/dtypes {actual} do not fit {fam.name}'s kernel")
             if any(not t.is_contiguous() for t in inputs):
@@ -238,7 +235,8 @@ def find_regions(graph, device: str) -> tuple[list[Region], list[Unmatched]]:
             region.shape, region.dtype, region.attrs = shape, dtype, dict(spec.attrs)
         except ValueError as exc:
             region.unsupported = str(exc)
-            region.dtype = _DTYPE_NAMES.get(str(picked[0].dtype)) if isinstance(picked[0], torch.Tensor) else None
+            first = dtype_name(picked[0].dtype) if isinstance(picked[0], torch.Tensor) else None
+            region.dtype = first if first in DTYPES else None
         regions.append(region)
     regions.sort(key=lambda r: calls.index(r.root))
     for i, r in enumerate(regions):
@@ -261,16 +259,14 @@ def trace(target: Target, device: str) -> TraceResult:
 
 def annotate_with_cache(result: TraceResult, cache, backend: str) -> None:
     """Each tunable region's cached decision and speedup on this machine, if any."""
-    from forge.env import collect_env
-    from forge.spec import cache_key
+    from forge import key as keys
 
-    env0 = collect_env(backend)
     for r in result.regions:
         if r.unsupported or r.shape is None:
             continue
         fam = ops.get(r.op)
-        spec = fam.module.make_spec(r.shape, r.dtype, "cuda" if backend == "cuda" else "cpu", r.attrs)
-        entry = cache.get(cache_key(spec, {**env0, "templates": fam.template_hash}))
+        spec = fam.module.make_spec(r.shape, r.dtype, keys.spec_device(backend), r.attrs)
+        entry = cache.get(keys.locate(fam, spec, backend).key)
         if entry is not None:
             r.decision, r.speedup = entry.decision, (entry.speedup if entry.decision == "kernel" else 1.0)
 
@@ -419,7 +415,7 @@ def verify(result: TraceResult, cache, backend: str, iters: int = 20) -> dict[st
         got = gm(*args)
     if not isinstance(ref, torch.Tensor) or not isinstance(got, torch.Tensor):
         raise UsageError("--verify compares single-tensor outputs only")
-    dtype = _DTYPE_NAMES.get(str(ref.dtype), "float32")
+    dtype = dtype_name(ref.dtype) if dtype_name(ref.dtype) in DTYPES else "float32"
     rel_tol = VERIFY_TOL[dtype]
     r64, g64 = ref.double(), got.double()
     err = float(torch.linalg.vector_norm(g64 - r64)) / max(float(torch.linalg.vector_norm(r64)), 1e-300)

@@ -43,12 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forge import key as keys
+from forge import ops
 from forge.cache import Cache, Entry
 from forge.env import collect_env
-from forge.loader import load_module, source_sha256, write_source
-from forge.spec import KernelSpec, cache_key
-from forge_cli import engine, ops, stats
-from forge_cli.lock import device_lock
+from forge.loader import load_module, write_source
+from forge.spec import KernelSpec
+from forge.tuner import engine, stats
+from forge.tuner.lock import device_lock
 
 CONTESTANTS = ("forge", "eager", "fused", "compile", "compile-max-autotune", "liger")
 Events = Callable[..., None]
@@ -434,11 +436,9 @@ def resolve_target(op: str, shape: tuple[int, ...], dtype: str, attrs: dict | No
                    cache: Cache) -> Target:
     """Build the spec and cache key exactly as `forge search` does and look the entry up. A spec that
     cannot be built raises UsageError; a missing entry is recorded in Target.error."""
-    opfam, spec = engine.build_spec(op, tuple(shape), dtype, backend, attrs)
-    env = {**collect_env(backend), "templates": opfam.template_hash}
-    key = cache_key(spec, env)
-    t = Target(op=op, shape=tuple(shape), dtype=dtype, attrs=dict(spec.attrs), spec=spec, key=key)
-    t.entry = cache.get(key)
+    loc = keys.request(op, tuple(shape), dtype, backend, attrs)
+    t = Target(op=op, shape=tuple(shape), dtype=dtype, attrs=dict(loc.spec.attrs), spec=loc.spec, key=loc.key)
+    t.entry = cache.get(loc.key)
     if t.entry is None:
         t.error = (f"no cached decision for {t.label} on this device and environment ({backend}) in "
                    f"{cache.path}; run `{_search_hint(op, t.shape_str, dtype, attrs or {}, backend)}` first")
@@ -566,7 +566,7 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
         c.status, c.reason = "skipped", "--skip forge"
     elif entry.decision != "kernel":
         c.status, c.reason = "skipped", "the cached decision is eager: no kernel beat eager by the margin"
-    elif not entry.source or source_sha256(entry.source) != entry.source_sha256:
+    elif not keys.source_intact(entry):
         c.status, c.reason = "refused", ("the cached source does not match its sha256 (edited after the search): "
                                          f"not loaded; forge cache rm {entry.key[:12]}, then search again")
     else:
@@ -576,7 +576,7 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
             c.status, c.reason = "error", f"the cached source does not import: {_short(exc)}"
         else:
             def run_forge(inputs, module=module):
-                from forge_cli.validate import poison
+                from forge.tuner.validate import poison
 
                 res = opmod.alloc_output(inputs, spec)
                 poison(res)
@@ -594,7 +594,7 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
     out.append(c)
 
     # fused torch op
-    fused = FUSED.get(target.op, f"no fused torch op is listed for {target.op} (forge_cli/benchmark.py FUSED)")
+    fused = FUSED.get(target.op, f"no fused torch op is listed for {target.op} (forge/tuner/benchmark.py FUSED)")
     c = ContestantResult("fused", fused.label if isinstance(fused, Fused) else "-")
     if isinstance(fused, str):
         c.status, c.reason = "skipped", fused
@@ -651,7 +651,7 @@ def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed
     its inputs cannot affect the next) and compare with the float64 oracle."""
     import torch
 
-    from forge_cli.validate import compare
+    from forge.tuner.validate import compare
 
     inputs = opmod.make_inputs(spec, seed + BENCH_VALIDATION_SEED, "normal")
     with torch.no_grad():
@@ -673,7 +673,7 @@ def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed
 
 def _event_sampler(bench, fn: Callable[[int], None]) -> Callable[[], float]:
     """µs per call from CUDA events around K back-to-back launches (K sized like the graph replays)."""
-    from forge_cli import timing
+    from forge.tuner import timing
 
     torch = bench.torch
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -701,8 +701,8 @@ def _event_sampler(bench, fn: Callable[[int], None]) -> Callable[[], float]:
 
 def _time(contestants: list[ContestantResult], opmod, spec: KernelSpec, backend: str, opts: BenchOptions,
           sampling: engine.Sampling) -> None:
-    from forge_cli.timing import Bench
-    from forge_cli.validate import CandidateRaised
+    from forge.tuner.timing import Bench
+    from forge.tuner.validate import CandidateRaised
 
     cuda = backend == "cuda"
     samplers: dict[str, tuple[Callable[[], float], Any]] = {}
@@ -790,7 +790,7 @@ def run_bench(targets: list[Target], *, backend: str, cache: Cache, options: Ben
     env = collect_env(backend)
     results: list[TargetResult] = []
     peaks = None
-    with device_lock(engine._device_id(env), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
+    with device_lock(engine.device_id(env), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
         if any(t.entry is not None for t in targets) or (not targets and opts.remeasure_peaks):
             peaks = device_peaks(backend, Path(cache.path).parent, opts.remeasure_peaks, emit)
         for n, t in enumerate(targets):
@@ -863,17 +863,17 @@ class RecheckReport:
                 "missing": self.count("missing"), "seconds": round(self.seconds, 3)}
 
 
-def _env_mismatch(entry: Entry, spec: KernelSpec, env: dict[str, Any]) -> str | None:
+def _env_mismatch(entry: Entry, here: keys.Located) -> str | None:
     """Why forge would not serve `entry` here (None if it would)."""
-    if entry.env.get("backend") != env["backend"]:
-        return f"made for backend {entry.env.get('backend')!r}; this run is {env['backend']!r}"
-    if cache_key(spec, env) == entry.key:
+    if entry.env.get("backend") != here.env["backend"]:
+        return f"made for backend {entry.env.get('backend')!r}; this run is {here.env['backend']!r}"
+    if here.key == entry.key:
         return None
-    diff = sorted(k for k in set(env) | set(entry.env) if env.get(k) != entry.env.get(k))
+    diff = keys.env_diff(entry.env, here.env)
     return f"made for another environment ({', '.join(diff) or 'spec'} differ): forge does not serve it here"
 
 
-def _recheck_one(r: RecheckResult, backend: str, env: dict[str, Any], pools: engine.Pools, src_dir: Path,
+def _recheck_one(r: RecheckResult, backend: str, pools: engine.Pools, src_dir: Path,
                  opts: BenchOptions, emit: Events) -> None:
     t, e = r.target, r.target.entry
     if e.decision != "kernel":
@@ -882,12 +882,11 @@ def _recheck_one(r: RecheckResult, backend: str, env: dict[str, Any], pools: eng
     if e.op not in ops.available():
         r.status, r.reason = "skipped", f"op {e.op!r} is not known to this forge"
         return
-    opfam = ops.get(e.op)
-    why = _env_mismatch(e, t.spec, {**env, "templates": opfam.template_hash})
+    why = _env_mismatch(e, keys.locate(ops.get(e.op), t.spec, backend))
     if why is not None:
         r.status, r.reason = "skipped", why
         return
-    if not e.source or source_sha256(e.source) != e.source_sha256:
+    if not keys.source_intact(e):
         r.status, r.reason = "sha256-mismatch", ("the cached source does not match its sha256 (edited after the "
                                                  f"search): refused, not loaded; forge cache rm {e.key[:12]}, then "
                                                  "search again")
@@ -938,11 +937,11 @@ def run_recheck(targets: Iterable[Target], *, backend: str, cache: Cache, option
     src_dir = Path(cache.path).parent / "kernels-src"
     todo = [r for r in results if r.status == "pending"]
     if todo:
-        with device_lock(engine._device_id(env), on_wait=lambda p: emit("waiting-for-lock", path=str(p))), \
+        with device_lock(engine.device_id(env), on_wait=lambda p: emit("waiting-for-lock", path=str(p))), \
                 engine.Pools() as pools:
             for n, r in enumerate(todo):
                 emit("target", index=n, total=len(todo), target=r.target)
-                _recheck_one(r, backend, env, pools, src_dir, opts, emit)
+                _recheck_one(r, backend, pools, src_dir, opts, emit)
     return RecheckReport(backend=backend, cache_path=str(cache.path), results=results, options=opts,
                          seconds=time.monotonic() - t0)
 

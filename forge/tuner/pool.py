@@ -1,6 +1,6 @@
 """Worker pool in the parent: spawned subprocesses, per-request timeouts, kill-and-replace.
 
-Workers are fresh interpreters started with `python -m forge_cli.worker` (never forked from a parent
+Workers are fresh interpreters started with `python -m forge.tuner.worker` (never forked from a parent
 that may hold a CUDA context) and talk to the parent over a socketpair wrapped in a
 multiprocessing Connection. Not multiprocessing's spawn method: that re-imports the parent's
 `__main__`, so a user script calling a `@forge.optimize` function at top level (no `__main__` guard)
@@ -26,7 +26,7 @@ from multiprocessing.connection import Pipe, wait
 from pathlib import Path
 from typing import Any
 
-from forge_cli.errors import EnvironmentProblem, ForgeError
+from forge.errors import EnvironmentProblem, ForgeError
 
 # Importing torch + triton + creating a CUDA context: 8 workers started in 5.5 s on the H200 machine
 # and one in ~2 s on the 2-core CPU machine; 180 s leaves room for a cold disk or a loaded host.
@@ -130,7 +130,7 @@ class Pool:
         # go to a log file the parent reads when the worker dies.
         with open(log, "ab") as logf:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "forge_cli.worker", str(fd), self.backend],
+                [sys.executable, "-m", "forge.tuner.worker", str(fd), self.backend],
                 pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env)
         child_conn.close()
         return Worker(self._serial, _Proc(popen), parent_conn, log)

@@ -1,6 +1,6 @@
 """The worker process: compiles, validates and times candidates sent by the parent.
 
-Started as `python -m forge_cli.worker FD BACKEND` by forge_cli/pool.py (a fresh interpreter, never
+Started as `python -m forge.tuner.worker FD BACKEND` by forge/tuner/pool.py (a fresh interpreter, never
 forked from a parent that may hold a CUDA context). Protocol: the parent sends dicts over a
 Connection on inherited fd FD, the worker answers one dict per request.
 Everything a candidate does wrong comes back as a value: {"status": ..., "reason": ...}. A CUDA error
@@ -52,8 +52,8 @@ class Session:
 
     # -- requests ---------------------------------------------------------------------------------
     def setup(self, msg: dict) -> dict:
+        from forge import ops
         from forge.spec import KernelSpec
-        from forge_cli import ops
 
         self.op = ops.get(msg["op"]).module
         self.spec = KernelSpec.from_dict(msg["spec"])
@@ -76,7 +76,7 @@ class Session:
             torch.cuda.synchronize()
 
     def validate(self, msg: dict) -> dict:
-        from forge_cli.validate import CandidateRaised, check_candidate
+        from forge.tuner.validate import CandidateRaised, check_candidate
 
         try:
             module = self._load(msg["path"])
@@ -100,8 +100,8 @@ class Session:
     def time(self, msg: dict) -> dict:
         """Time the listed candidates (and the eager baseline if asked). With rounds > 1 the
         contestants are sampled in alternation (A B C A B C ...) so drift affects all equally."""
-        from forge_cli.timing import Bench
-        from forge_cli.validate import CandidateRaised
+        from forge.tuner.timing import Bench
+        from forge.tuner.validate import CandidateRaised
 
         if self.bench is None:
             self.bench = Bench(self.op, self.spec, self.backend, self.seed)

@@ -4,7 +4,7 @@ fails to write is caught. NaN never passes."""
 
 from __future__ import annotations
 
-from forge_cli.opkit import DISTRIBUTIONS, Tolerance
+from forge.opkit import DISTRIBUTIONS, Tolerance
 
 
 class CandidateRaised(Exception):

@@ -15,16 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forge import codegen
+from forge import key as keys
 from forge._version import __version__
 from forge.cache import Cache, Entry
-from forge.env import collect_env
+from forge.errors import EnvironmentProblem, UsageError
 from forge.loader import source_sha256, write_source
-from forge.spec import DTYPES, KernelSpec, cache_key
-from forge_cli import codegen, ops, stats, strategy
-from forge_cli.errors import EnvironmentProblem, UsageError
-from forge_cli.lock import device_lock
-from forge_cli.opkit import Candidate
-from forge_cli.pool import Pool, default_size
+from forge.opkit import Candidate
+from forge.spec import KernelSpec
+from forge.tuner import stats, strategy
+from forge.tuner.lock import device_lock
+from forge.tuner.pool import Pool, default_size
 
 FAILED_STATUSES = ("mismatch", "compile-error", "error", "timeout", "crashed", "cuda-error")
 Events = Callable[..., None]
@@ -166,28 +167,8 @@ def resolve_backend(device: str | None) -> str:
     raise UsageError(f"unknown device {device!r}; expected cuda or cpu")
 
 
-def build_spec(op_name: str, shape: tuple[int, ...], dtype: str, backend: str,
-               attrs: dict[str, Any] | None = None) -> tuple[ops.OpFamily, KernelSpec]:
-    op = ops.get(op_name)
-    if dtype not in DTYPES:
-        raise UsageError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    device = "cuda" if backend == "cuda" else "cpu"
-    try:
-        spec = op.module.make_spec(tuple(shape), dtype, device, attrs)
-    except ValueError as exc:
-        raise UsageError(f"{op_name}: {exc}") from None
-    return op, spec
-
-
-def spec_key(op_name: str, shape: tuple[int, ...], dtype: str, backend: str,
-             attrs: dict[str, Any] | None = None, gpu: int = 0) -> tuple[KernelSpec, str]:
-    """The spec and cache key a search for these arguments would use on this machine."""
-    op, spec = build_spec(op_name, shape, dtype, backend, attrs)
-    env = {**collect_env(backend, gpu if backend == "cuda" else 0), "templates": op.template_hash}
-    return spec, cache_key(spec, env)
-
-
-def _device_id(env: dict[str, Any], gpu: int | None = None) -> str:
+def device_id(env: dict[str, Any], gpu: int | None = None) -> str:
+    """The name of the device lock for an environment (one process times on a device at a time)."""
     if env["backend"] != "cuda":
         return "interpreter" if gpu is None else f"interpreter-lane-{gpu}"
     import torch
@@ -240,18 +221,17 @@ def search(op_name: str, shape: tuple[int, ...], dtype: str, *, device: str | No
     emit = events or (lambda *a, **k: None)
     t0 = time.monotonic()
     backend = resolve_backend(device)
-    op, spec = build_spec(op_name, shape, dtype, backend, attrs)
-    env = {**collect_env(backend, 0 if gpu is None or backend != "cuda" else gpu), "templates": op.template_hash}
-    key = cache_key(spec, env)
+    loc = keys.request(op_name, shape, dtype, backend, attrs, gpu)
+    op, spec, env = loc.op, loc.spec, loc.env
 
-    if not opts.force and (entry := cache.get(key)) is not None:
+    if not opts.force and (entry := cache.get(loc.key)) is not None:
         return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
 
-    with device_lock(_device_id(env, gpu), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
+    with device_lock(device_id(env, gpu), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
         # Another process may have decided this key while we waited for the device.
-        if not opts.force and (entry := cache.get(key)) is not None:
+        if not opts.force and (entry := cache.get(loc.key)) is not None:
             return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
-        return _search_locked(op, spec, env, key, backend, cache, opts, emit, t0, pools, gpu)
+        return _search_locked(op, spec, env, loc.key, backend, cache, opts, emit, t0, pools, gpu)
 
 
 def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit: Events,

@@ -11,7 +11,7 @@ import random as _random
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from forge_cli.opkit import Candidate, Space
+from forge.opkit import Candidate, Space
 
 
 class Strategy(Protocol):

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 
-from forge_cli.validate import CandidateRaised
+from forge.tuner.validate import CandidateRaised
 
 # One graph replay lasts about this long: long enough that event resolution (~0.5 µs) and the
 # replay's own launch are <1% of a sample, short enough that 30 samples of 50 candidates take ~2 s.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from forge_cli.errors import UsageError
+from forge.errors import UsageError
 
 _PKG = Path(__file__).resolve().parent
 # The contract every kernels/<op>.py must fulfil (checked on load, so a new op fails loudly).
@@ -30,6 +30,8 @@ REQUIRED = ("NAME", "TEMPLATES", "DEFAULT_ATTRS", "make_spec", "make_inputs", "r
 #                                            complete `attrs` in place with what only the tensors show (sdpa's
 #                                            kv_heads)
 #   tolerance_for(spec) -> Tolerance         a spec-exact tolerance (matmul's grows with K)
+#   problem_shape(spec) -> shape             the request shape make_spec rebuilds `spec` from, when it is not
+#                                            inputs[0].shape (matmul, sdpa); forge.search(KernelSpec) uses it
 #   TEST_SHAPES, MID_SHAPE, test_candidates(spec)   what tests/test_templates.py runs for this op
 
 
@@ -51,6 +53,12 @@ class OpFamily:
 
     def template_path(self, variant: str) -> Path:
         return self.template_dir / self.module.TEMPLATES[variant]
+
+    def problem_shape(self, spec) -> tuple[int, ...]:
+        """The shape a request names for `spec` (matmul's MxNxK, attention's BxHxSqxSkvxD), so that
+        make_spec(problem_shape(spec), ...) rebuilds it; the first input's shape unless the op says."""
+        own = getattr(self.module, "problem_shape", None)
+        return tuple(own(spec)) if own is not None else tuple(spec.inputs[0].shape)
 
     @functools.cached_property
     def template_hash(self) -> str:

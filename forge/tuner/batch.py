@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from forge import key as keys
 from forge.cache import Cache, CacheError
-from forge_cli import engine
-from forge_cli.errors import ExitCode, ForgeError, UsageError
-from forge_cli.manifest import Job
+from forge.errors import ExitCode, ForgeError, UsageError
+from forge.tuner import engine
+from forge.tuner.manifest import Job
 
 
 @dataclass
@@ -139,7 +140,7 @@ def _ray_job(job_d: dict, device, workers, force, known: dict) -> tuple[dict, di
 
     job = Job(**{**job_d, "shape": tuple(job_d["shape"])})
     backend = engine.resolve_backend(device)
-    _, key = engine.spec_key(job.op, job.shape, job.dtype, backend, job.attrs)
+    key = keys.request(job.op, job.shape, job.dtype, backend, job.attrs).key
     if key in known and not force:
         return {"status": "cached", "key": key}, None
     with tempfile.TemporaryDirectory(prefix="forge-ray-") as d:

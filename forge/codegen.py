@@ -11,9 +11,9 @@ from pathlib import Path
 
 import jinja2
 
+from forge.opkit import Candidate
+from forge.ops import OpFamily
 from forge.spec import KernelSpec
-from forge_cli.opkit import Candidate
-from forge_cli.ops import OpFamily
 
 
 @functools.lru_cache(maxsize=32)

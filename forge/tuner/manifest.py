@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forge.errors import UsageError
 from forge.spec import DTYPES, canonical_json, parse_shape
-from forge_cli.errors import UsageError
 
 BUILTIN = {"device": None, "dtype": "float16", "budget": 50, "strategy": "grid", "seed": 0, "timeout": 120.0,
            "workers": None}
@@ -197,7 +197,7 @@ def _dtypes(entry: dict, where: str) -> list[str | None]:
 def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
          env: Mapping[str, str] | None = None) -> Manifest:
     """Parse and validate a manifest, expand its entries into jobs and resolve every setting."""
-    from forge_cli import ops
+    from forge import ops
 
     cli = dict(cli or {})
     env = os.environ if env is None else env

@@ -11,7 +11,7 @@ Two output formats (docs/export.md):
 
 The glue is generic: the op module's `alloc_output` and `run` (kernels/<op>.py) are copied, with
 every module-level name they use (helpers, constants, imports), found with `symtable`. An op whose
-glue needs forge itself (e.g. calls into forge_cli.opkit at run time) cannot be exported; that is
+glue needs forge itself (e.g. calls into forge.opkit at run time) cannot be exported; that is
 reported as a usage error naming the name.
 """
 
@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from forge.cache import Cache, Entry
+from forge.errors import UsageError
+from forge.ops import OpFamily
 from forge.spec import DTYPES, KernelSpec
-from forge_cli import bundle
-from forge_cli.errors import UsageError
-from forge_cli.ops import OpFamily
+from forge.tuner import bundle
 
 FORMATS = ("module", "hf-kernels")
 EXPORT_VERSION = 1
@@ -612,16 +612,14 @@ Cache key `{key}`.
 def lookup(cache: Cache, op_name: str, shape: tuple[int, ...], dtype: str, device: str | None,
            attrs: dict[str, Any]) -> tuple[OpFamily, Entry]:
     """The cached decision `forge search` with the same arguments would find on this machine."""
-    from forge.env import collect_env
-    from forge.spec import cache_key
-    from forge_cli import engine
+    from forge import key as keys
+    from forge.tuner import engine
 
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     backend = engine.resolve_backend(device)
-    op, spec = engine.build_spec(op_name, shape, dtype, backend, attrs)
-    env = {**collect_env(backend), "templates": op.template_hash}
-    key = cache_key(spec, env)
+    loc = keys.request(op_name, shape, dtype, backend, attrs)
+    op, spec, key = loc.op, loc.spec, loc.key
     entry = cache.get(key)
     if entry is None:
         attr_args = "".join(f" --attr {k}={json.dumps(v)}" for k, v in attrs.items())
