@@ -135,10 +135,29 @@ _INSERT = (
 
 
 def _move_aside(path: Path) -> str:
+    if not path.is_file():  # /dev/null, a directory: never advise moving those
+        return "point --cache or FORGE_CACHE_DIR at a forge cache file"
     return (
         f"move it aside: mv {shlex.quote(str(path))} {shlex.quote(str(path) + '.bak')}; "
         "forge will create a fresh cache"
     )
+
+
+def _cannot_open(exc: sqlite3.Error) -> bool:
+    name = getattr(exc, "sqlite_errorname", None) or ""
+    return name.startswith("SQLITE_CANTOPEN") or "unable to open" in str(exc).lower()
+
+
+def _disk_full(path: Path) -> bool:
+    """Whether the file system holding `path` has no space left for an unprivileged writer."""
+    d = path.parent
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    try:
+        st = os.statvfs(d)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 64 * 1024  # less than a few SQLite pages
 
 
 def _is_busy(exc: sqlite3.Error) -> bool:
@@ -148,11 +167,15 @@ def _is_busy(exc: sqlite3.Error) -> bool:
     return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in str(exc).lower()
 
 
-def _translate(path: Path, exc: sqlite3.Error, busy_timeout_s: float) -> CacheError:
+def _translate(path: Path, exc: sqlite3.Error, busy_timeout_s: float, writing: bool = False) -> CacheError:
     """Turn an sqlite3 exception into a CacheError that names the file and the way out."""
     name = getattr(exc, "sqlite_errorname", None) or ""
     text = str(exc)
     lowered = text.lower()
+    if name.startswith("SQLITE_FULL") or "disk is full" in lowered or (
+            name.startswith(("SQLITE_IOERR", "SQLITE_CANTOPEN")) or "disk i/o error" in lowered) and _disk_full(path):
+        return CacheError(f"forge cache {path} cannot be written: the disk is full ({text}); free some space "
+                          "(the cache itself is intact)")
     if name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "not a database" in lowered \
             or "malformed" in lowered:
         return CacheError(
@@ -165,12 +188,15 @@ def _translate(path: Path, exc: sqlite3.Error, busy_timeout_s: float) -> CacheEr
         )
     if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")) or "readonly" in lowered \
             or "unable to open" in lowered:
+        if writing and path.is_file():
+            return CacheError(
+                f"forge cache {path} is read-only ({text}): it can be read, but this needs to write it; make "
+                f"{path} and its directory writable, or set FORGE_CACHE_DIR (or --cache) to a writable place"
+            )
         return CacheError(
-            f"forge cache {path} cannot be opened for writing ({text}); make {path} and its directory "
-            "writable, or set FORGE_CACHE_DIR to a writable directory"
+            f"forge cache {path} cannot be opened ({text}); make {path} and its directory "
+            "readable and writable, or set FORGE_CACHE_DIR to a writable directory"
         )
-    if name.startswith("SQLITE_FULL") or "disk is full" in lowered:
-        return CacheError(f"forge cache {path} cannot be written: the disk is full ({text}); free some space")
     return CacheError(f"forge cache {path} cannot be used ({text}); if this persists, {_move_aside(path)}")
 
 
@@ -214,17 +240,103 @@ def _check_entry(entry: Entry) -> None:
 
 
 class Cache:
-    """The cache file at `path`, created (with its directories) if missing.
+    """The cache file at `path`.
+
+    Opened read-only and checked before anything is changed: another program's SQLite file is refused
+    untouched, and a cache on a read-only mount can be read. A file that does not exist yet reads as
+    empty and is created (with its directories) by the first write; reading never creates anything.
+    The first write reopens the file read-write (WAL mode, schema created if new); a cache that cannot
+    be written says so then, and only then.
 
     One SQLite connection per Cache; a lock makes one Cache object safe to share between threads.
     Use as a context manager, or call close().
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, busy_timeout_s: float = 60.0) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout_s: float = 60.0,
+                 read_only: bool = False) -> None:
         self.path = Path(path).expanduser()
         self._busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
+        self._read_only = read_only
+        # The connection in use: read-only until the first write, then read-write. None while the file
+        # does not exist or holds no tables yet (reads find nothing).
         self._conn: sqlite3.Connection | None = None
+        self._writable = False
+        self._closed = False
+        if os.path.lexists(self.path):
+            self._conn = self._open_for_reading()
+
+    def _connect(self, target: str, uri: bool) -> sqlite3.Connection:
+        # isolation_level=None: the sqlite3 module opens no transactions of its own; we issue
+        # BEGIN/COMMIT explicitly. `timeout` is SQLite's busy timeout.
+        return sqlite3.connect(target, uri=uri, timeout=self._busy_timeout_s, isolation_level=None,
+                               check_same_thread=False)
+
+    def _open_for_reading(self) -> sqlite3.Connection | None:
+        if not self.path.is_file():
+            raise CacheError(f"{self.path} is not a regular file, so it cannot be a forge cache; point --cache or "
+                             "FORGE_CACHE_DIR at a forge cache file (or at a path where one may be created)")
+        uri = self.path.resolve().as_uri()
+        conn = None
+        try:
+            conn = self._connect(f"{uri}?mode=ro", uri=True)
+            try:
+                has_tables = self._check_schema(conn)
+            except sqlite3.OperationalError as exc:
+                if not (_cannot_open(exc) or _disk_full(self.path)):
+                    raise
+                # A WAL cache on a read-only mount (or a full disk): SQLite cannot create the WAL index
+                # beside it. Nobody can be writing the file then (on a full disk every writer fails), so
+                # it is read as immutable: commits still in a WAL file of an unclean shutdown are not seen.
+                conn.close()
+                conn = self._connect(f"{uri}?mode=ro&immutable=1", uri=True)
+                has_tables = self._check_schema(conn)
+        except sqlite3.Error as exc:
+            if conn is not None:
+                conn.close()
+            raise _translate(self.path, exc, self._busy_timeout_s) from exc
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        if not has_tables:  # a zero-byte file or an empty database: the first write makes the schema
+            conn.close()
+            return None
+        return conn
+
+    def _check_schema(self, conn: sqlite3.Connection) -> bool:
+        """Whether the file holds forge's tables (False: an empty database). Reads only. Garbage in the
+        file is detected here, when the header is first read."""
+        has_version_table = conn.execute(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+        ).fetchone()[0]
+        if not has_version_table:
+            if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                # Some other program's database: refuse it, unchanged.
+                raise CacheError(f"{self.path} is an SQLite database but not a forge cache (left unchanged); "
+                                 "point --cache or FORGE_CACHE_DIR at a forge cache")
+            return False
+        rows = conn.execute("SELECT version FROM schema_version").fetchall()
+        if len(rows) != 1 or not isinstance(rows[0][0], int):
+            raise CacheError(f"forge cache {self.path} has a damaged schema_version table; "
+                             f"{_move_aside(self.path)}")
+        version = rows[0][0]
+        if version > SCHEMA_VERSION:
+            raise CacheError(
+                f"forge cache {self.path} has schema version {version}, newer than this forge supports "
+                f"({SCHEMA_VERSION}); upgrade forge, or {_move_aside(self.path)}"
+            )
+        if version < SCHEMA_VERSION:  # no older version has ever shipped; migrations will go here
+            raise CacheError(
+                f"forge cache {self.path} has unknown schema version {version}; {_move_aside(self.path)}"
+            )
+        return True
+
+    def _open_for_writing(self) -> sqlite3.Connection:
+        """The read-write connection (made on the first write): directories and file created, WAL mode,
+        schema ensured. Raises CacheError saying what cannot be written."""
+        if self._read_only:
+            raise CacheError(f"forge cache {self.path} was opened read-only: nothing is written to it")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -233,26 +345,23 @@ class Cache:
                 "set FORGE_CACHE_DIR to a writable directory"
             ) from exc
         try:
-            # isolation_level=None: the sqlite3 module opens no transactions of its own; we issue
-            # BEGIN/COMMIT explicitly. `timeout` is SQLite's busy timeout.
-            self._conn = sqlite3.connect(
-                self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-            )
+            conn = self._connect(str(self.path), uri=False)
         except sqlite3.Error as exc:
-            raise _translate(self.path, exc, busy_timeout_s) from exc
+            raise _translate(self.path, exc, self._busy_timeout_s, writing=True) from exc
         try:
-            with self._use() as conn:
-                # A zero-byte or missing file is a new, empty database to SQLite. Garbage in the
-                # file is detected here, when the header is first read.
+            try:
                 self._enable_wal(conn)
                 # In WAL mode NORMAL is still safe against application crashes (only a power cut
                 # can lose the last commits), and it saves an fsync per write. Fine for a cache.
                 conn.execute("PRAGMA synchronous=NORMAL")
                 with _transaction(conn):
                     self._ensure_schema(conn)
+            except sqlite3.Error as exc:
+                raise _translate(self.path, exc, self._busy_timeout_s, writing=True) from exc
         except BaseException:
-            self.close()
+            conn.close()
             raise
+        return conn
 
     def _enable_wal(self, conn: sqlite3.Connection) -> None:
         """Switch the file to WAL mode (a persistent property of the file, so usually a no-op)."""
@@ -275,45 +384,31 @@ class Cache:
             delay = min(delay * 2, 0.05)
 
     def _ensure_schema(self, conn: sqlite3.Connection) -> None:
-        has_version_table = conn.execute(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
-        ).fetchone()[0]
-        if not has_version_table:
-            if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
-                # Some other program's database: do not add our tables to it.
-                raise CacheError(
-                    f"{self.path} is an SQLite database but not a forge cache; {_move_aside(self.path)}"
-                )
+        if not self._check_schema(conn):
             for statement in _SCHEMA:
                 conn.execute(statement)
             conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-            return
-        rows = conn.execute("SELECT version FROM schema_version").fetchall()
-        if len(rows) != 1 or not isinstance(rows[0][0], int):
-            raise CacheError(f"forge cache {self.path} has a damaged schema_version table; "
-                             f"{_move_aside(self.path)}")
-        version = rows[0][0]
-        if version > SCHEMA_VERSION:
-            raise CacheError(
-                f"forge cache {self.path} has schema version {version}, newer than this forge supports "
-                f"({SCHEMA_VERSION}); upgrade forge, or {_move_aside(self.path)}"
-            )
-        if version < SCHEMA_VERSION:  # no older version has ever shipped; migrations will go here
-            raise CacheError(
-                f"forge cache {self.path} has unknown schema version {version}; {_move_aside(self.path)}"
-            )
 
     @contextlib.contextmanager
-    def _use(self) -> Iterator[sqlite3.Connection]:
-        """Exclusive use of the connection; sqlite3 errors leave as CacheError."""
+    def _use(self, write: bool = False) -> Iterator[sqlite3.Connection | None]:
+        """Exclusive use of the connection (the read-write one if `write`; None when there is nothing to
+        read yet); sqlite3 errors leave as CacheError."""
         with self._lock:
-            if self._conn is None:
+            if self._closed:
                 # Using a closed cache is a programming error, like I/O on a closed file.
                 raise ValueError(f"forge cache {self.path} is closed")
+            if write and not self._writable:
+                conn = self._open_for_writing()
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn, self._writable = conn, True
+            elif self._conn is None and os.path.lexists(self.path):
+                # Another process created the file (or its tables) since: read it from now on.
+                self._conn = self._open_for_reading()
             try:
                 yield self._conn
             except sqlite3.Error as exc:
-                raise _translate(self.path, exc, self._busy_timeout_s) from exc
+                raise _translate(self.path, exc, self._busy_timeout_s, writing=write) from exc
 
     def _row_to_entry(self, row: tuple) -> Entry:
         values = dict(zip(_COLUMNS, row, strict=True))
@@ -328,7 +423,7 @@ class Cache:
             ) from exc
         return Entry(**values)
 
-    def _resolve(self, conn: sqlite3.Connection, key_or_prefix: str) -> str:
+    def _resolve(self, conn: sqlite3.Connection | None, key_or_prefix: str) -> str:
         """The one key that `key_or_prefix` names (case-insensitive, surrounding spaces ignored)."""
         prefix = key_or_prefix.strip().lower()
         if not MIN_PREFIX <= len(prefix) <= _KEY_LENGTH or not set(prefix) <= _HEX_DIGITS:
@@ -336,6 +431,8 @@ class Cache:
                 f"{key_or_prefix!r} is not a cache key or key prefix (expected {MIN_PREFIX} to "
                 f"{_KEY_LENGTH} hex characters); nothing looked up in forge cache {self.path}"
             )
+        if conn is None:
+            raise KeyNotFound(f"no entry of forge cache {self.path} matches {prefix!r} (the cache is empty)")
         # GLOB is case-sensitive, so SQLite can answer it from the primary-key index; the prefix is
         # plain hex, so it contains no GLOB wildcards.
         keys = [row[0] for row in conn.execute(
@@ -357,7 +454,7 @@ class Cache:
     def get(self, key: str) -> Entry | None:
         """The entry stored under exactly `key`, or None."""
         with self._use() as conn:
-            row = conn.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
+            row = None if conn is None else conn.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
         return None if row is None else self._row_to_entry(row)
 
     def find(self, key_or_prefix: str) -> Entry:
@@ -366,7 +463,7 @@ class Cache:
         Raises KeyNotFound or AmbiguousKey."""
         with self._use() as conn:
             key = self._resolve(conn, key_or_prefix)
-            row = conn.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
+            row = None if conn is None else conn.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
         if row is None:  # another process deleted it between the two queries
             raise KeyNotFound(f"no entry of forge cache {self.path} matches {key_or_prefix!r}")
         return self._row_to_entry(row)
@@ -375,6 +472,8 @@ class Cache:
         """All entries (of `op`, if given), newest first."""
         # key breaks ties so the order is deterministic.
         with self._use() as conn:
+            if conn is None:
+                return []
             if op is None:
                 rows = conn.execute(f"{_SELECT} ORDER BY created_at DESC, key").fetchall()
             else:
@@ -393,30 +492,42 @@ class Cache:
             _encode_json(getattr(entry, name)) if name in _JSON_COLUMNS else getattr(entry, name)
             for name in _COLUMNS
         )
-        with self._use() as conn, _transaction(conn):
+        with self._use(write=True) as conn, _transaction(conn):
             conn.execute(_INSERT, row)
 
     def delete(self, key_or_prefix: str) -> int:
         """Delete the entry `key_or_prefix` names, resolved like find(); returns rows deleted."""
-        with self._use() as conn, _transaction(conn):
+        with self._use() as conn:
+            self._resolve(conn, key_or_prefix)  # KeyNotFound before anything is opened for writing
+        with self._use(write=True) as conn, _transaction(conn):
             key = self._resolve(conn, key_or_prefix)
             return conn.execute("DELETE FROM entries WHERE key = ?", (key,)).rowcount
 
     def delete_op(self, op: str) -> int:
         """Delete every entry of `op`; returns rows deleted."""
-        with self._use() as conn, _transaction(conn):
+        if not self._has_rows("WHERE op = ?", (op,)):
+            return 0
+        with self._use(write=True) as conn, _transaction(conn):
             return conn.execute("DELETE FROM entries WHERE op = ?", (op,)).rowcount
 
     def delete_all(self) -> int:
         """Delete every entry; returns rows deleted."""
-        with self._use() as conn, _transaction(conn):
+        if not self._has_rows("", ()):
+            return 0
+        with self._use(write=True) as conn, _transaction(conn):
             return conn.execute("DELETE FROM entries").rowcount
+
+    def _has_rows(self, where: str, args: tuple) -> bool:
+        """Whether a delete would delete anything (so a delete of nothing writes nothing)."""
+        with self._use() as conn:
+            return conn is not None and conn.execute(f"SELECT 1 FROM entries {where} LIMIT 1", args).fetchone() \
+                is not None
 
     # -- bundles (forge cache import / merge / prune) ----------------------------------------------
 
     def put_newer(self, entries: list[Entry]) -> list[str]:
-        """Store each entry unless the cache already holds one under its key that is at least as new
-        (created_at); one transaction for all, in order. Returns "added" | "replaced" | "kept" per entry.
+        """Store each entry unless the cache already holds a readable one under its key that is at least as
+        new (created_at); one transaction for all, in order. Returns "added" | "replaced" | "kept" per entry.
 
         Ties keep the stored entry, so importing the same entries twice changes nothing."""
         for entry in entries:
@@ -424,52 +535,40 @@ class Cache:
         rows = [tuple(_encode_json(getattr(e, name)) if name in _JSON_COLUMNS else getattr(e, name)
                       for name in _COLUMNS) for e in entries]
         outcome: list[str] = []
-        with self._use() as conn, _transaction(conn):
+        with self._use(write=True) as conn, _transaction(conn):
             for entry, row in zip(entries, rows, strict=True):
-                found = conn.execute("SELECT created_at FROM entries WHERE key = ?", (entry.key,)).fetchone()
-                if found is not None and (found[0] or 0.0) >= entry.created_at:
+                found = conn.execute(f"{_SELECT} WHERE key = ?", (entry.key,)).fetchone()
+                if found is not None and not self._damaged(found) and (
+                        found[_COLUMNS.index("created_at")] or 0.0) >= entry.created_at:
                     outcome.append("kept")
                     continue
                 conn.execute(_INSERT, row)
                 outcome.append("added" if found is None else "replaced")
         return outcome
 
+    def _damaged(self, row: tuple) -> bool:
+        """A stored row that cannot be read back as an entry: an import replaces it whatever its date."""
+        try:
+            self._row_to_entry(row)
+        except CacheError:
+            return True
+        return not isinstance(row[_COLUMNS.index("created_at")], int | float)
+
     def delete_keys(self, keys: list[str]) -> int:
         """Delete the entries stored under exactly these keys (one transaction); returns rows deleted."""
-        with self._use() as conn, _transaction(conn):
+        if not keys:
+            return 0
+        with self._use(write=True) as conn, _transaction(conn):
             return sum(conn.execute("DELETE FROM entries WHERE key = ?", (key,)).rowcount for key in keys)
 
     @classmethod
     def open_read_only(cls, path: str | os.PathLike[str], *, busy_timeout_s: float = 60.0) -> Cache:
-        """An existing cache file opened read-only (never created, converted or written): the source
-        side of `forge cache merge`. Reading methods work; writing ones raise CacheError."""
-        self = cls.__new__(cls)
-        self.path = Path(path).expanduser()
-        self._busy_timeout_s = busy_timeout_s
-        self._lock = threading.Lock()
-        self._conn = None
-        if not self.path.is_file():
-            raise CacheError(f"forge cache {self.path} does not exist (or is not a file)")
-        try:
-            self._conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
-                                         timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as exc:
-            raise _translate(self.path, exc, busy_timeout_s) from exc
-        try:
-            with self._use() as conn:
-                has_version_table = conn.execute(
-                    "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
-                ).fetchone()[0]
-                if not has_version_table:
-                    raise CacheError(f"{self.path} is not a forge cache (no schema_version table)")
-                rows = conn.execute("SELECT version FROM schema_version").fetchall()
-            if len(rows) != 1 or rows[0][0] != SCHEMA_VERSION:
-                raise CacheError(f"forge cache {self.path} has schema version "
-                                 f"{rows[0][0] if len(rows) == 1 else rows!r}; this forge reads {SCHEMA_VERSION}")
-        except BaseException:
-            self.close()
-            raise
-        return self
+        """An existing cache file, never created, converted or written (the source side of `forge cache
+        merge`). Reading methods work; writing ones raise CacheError."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise CacheError(f"forge cache {path} does not exist (or is not a file)")
+        return cls(path, busy_timeout_s=busy_timeout_s, read_only=True)
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -477,6 +576,7 @@ class Cache:
         """Close the connection. Idempotent."""
         with self._lock:
             conn, self._conn = self._conn, None
+            self._closed = True
             if conn is not None:
                 try:
                     conn.close()

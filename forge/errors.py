@@ -34,5 +34,11 @@ class EnvironmentProblem(ForgeError):
     exit_code = ExitCode.ENVIRONMENT
 
 
-class AllCandidatesFailed(ForgeError):
-    exit_code = ExitCode.ALL_FAILED
+def cut(text: str, limit: int = 80) -> str:
+    """`text` cut to `limit` characters for a message: user input can be megabytes long."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown(value, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters."""
+    return cut(repr(value), limit)

@@ -7,6 +7,8 @@ same kernel write the same bytes.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import importlib.util
 import os
@@ -21,17 +23,55 @@ def source_sha256(source: str) -> str:
 
 
 def write_source(source: str, directory: str | os.PathLike) -> Path:
-    """Write `source` to DIRECTORY/forge_<sha[:20]>.py atomically (rename), return the path."""
-    directory = Path(directory)
+    """Write `source` to DIRECTORY/forge_<sha[:20]>.py atomically (rename), return the path.
+
+    A directory that cannot be written (a cache on a read-only mount) falls back to a per-user
+    directory under the system temp dir: the file name is the content's hash, so any copy will do.
+    A full disk is a CacheError (exit 5) saying so, with no partial file left behind."""
+    path = Path(directory) / f"forge_{source_sha256(source)[:20]}.py"
+    try:
+        if path.is_file() and path.read_text() == source:
+            return path
+    except OSError:
+        pass
+    try:
+        return _write_atomically(source, Path(directory), path.name)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _disk_full(directory, exc) from None
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST):
+            raise
+    fallback = Path(tempfile.gettempdir()) / f"forge-kernels-src-{os.getuid()}"
+    try:
+        return _write_atomically(source, fallback, path.name)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _disk_full(fallback, exc) from None
+        raise
+
+
+def _write_atomically(source: str, directory: Path, name: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"forge_{source_sha256(source)[:20]}.py"
-    if path.exists() and path.read_text() == source:
+    path = directory / name
+    if path.is_file() and path.read_text() == source:
         return path
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
+
+
+def _disk_full(directory, exc: OSError):
+    from forge.cache import CacheError
+
+    return CacheError(f"cannot write a kernel source to {directory}: the disk is full ({exc.strerror}); "
+                      "free some space")
 
 
 def load_module(path: str | os.PathLike) -> ModuleType:

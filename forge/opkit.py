@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from forge import hardware
+
 DISTRIBUTIONS = ("normal", "large", "tiny", "outliers")
 
 
@@ -263,9 +265,8 @@ ELEMENTWISE_VARIANTS = ("flat", "persistent")
 EW_MIN_BYTES_PER_THREAD = 16
 EW_MAX_ELEMS_PER_THREAD = 32
 EW_MIN_BLOCK = 256
-# The validity rule below needs an SM count before any GPU is touched (spaces are built in the parent
-# process): 132 is the H100/H200 SXM count. The persistent launcher reads the real count at run time.
-NOMINAL_SMS = {"cuda": 132, "cpu": 4}
+# The validity rule below needs an SM count before any GPU is touched: forge/hardware.py's nominal
+# GPU_SMS / CPU_SMS. The persistent launcher reads the real count at run time.
 
 
 def numel(spec) -> int:
@@ -276,7 +277,7 @@ def elementwise_space(spec: Any) -> Space:
     n = numel(spec)
     itemsize = spec.inputs[0].itemsize
     on_gpu = spec.device == "cuda"
-    sms = NOMINAL_SMS["cuda" if on_gpu else "cpu"]
+    sms = hardware.GPU_SMS if on_gpu else hardware.CPU_SMS
     largest = max(EW_MIN_BLOCK, next_pow2(n))
 
     def valid(c: Candidate) -> bool:
@@ -321,7 +322,7 @@ def elementwise_render_context(spec: Any, cand: Candidate, op: str) -> dict:
     # Triton <= 3.6's interpreter cannot take a runtime loop bound (row_render_context says
     # why): on the interpreter the persistent loop's trip count is passed as a constexpr.
     ctx["N_CONSTEXPR"] = spec.device != "cuda"
-    ctx["CPU_SMS"] = NOMINAL_SMS["cpu"]
+    ctx["CPU_SMS"] = hardware.CPU_SMS
     ctx["kernel_name"] = f"forge_{op}_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx

@@ -11,20 +11,47 @@ import hashlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from forge.errors import UsageError
+from forge import opkit
+from forge.errors import UsageError, shown
 
 _PKG = Path(__file__).resolve().parent
-# The contract every kernels/<op>.py must fulfil (checked on load, so a new op fails loudly).
-REQUIRED = ("NAME", "TEMPLATES", "DEFAULT_ATTRS", "make_spec", "make_inputs", "reference", "oracle",
-            "alloc_output", "run", "space", "default", "render_context", "bytes_moved", "flops",
-            "tolerance")
-# Optional, used where present:
+
+# The contract of an op module (kernels/<op>.py, or <dir>/<op>.py for a dir on $FORGE_OPS_PATH).
+#
+# Required: no default; a module that lacks one fails to load, naming what it lacks.
+#   NAME                                    the op's name, equal to the file's stem
+#   TEMPLATES                               variant -> template file name (in the templates dir)
+#   DEFAULT_ATTRS                           the attributes a spec gets when the caller names none
+#   make_spec(shape, dtype, device, attrs)  -> KernelSpec (ValueError, with the reason, for what it refuses)
+#   make_inputs(spec, seed, distribution)   -> tuple of seeded test tensors
+#   reference(inputs, attrs)                the eager baseline, as a user writes it
+#   alloc_output(inputs, spec), run(module, inputs, out, attrs)
+#                                           the launch glue; defined in the op file itself, never taken from
+#                                           elsewhere: `forge export` copies both verbatim (with what they
+#                                           use) into a module that runs without forge (forge/tuner/export.py)
+#   space(spec) -> opkit.Space, default(spec) -> opkit.Candidate, render_context(spec, cand) -> dict
+#   bytes_moved(spec), flops(spec)          the work one call does (forge/tuner/bench/roofline.py)
+#
+# Optional, with a default: _load installs the default on the module object when the op file does not
+# define the name, so every caller reads op.module.<name> alike; an op file's own definition wins.
+#   fill_missing(inputs) -> tuple           inputs the user's code left out, filled in (rmsnorm's weight of
+#                                           ones); default: none left out, tuple(inputs)
+#   oracle(inputs, attrs)                   the correctness reference; default: reference() run on float64
+#                                           copies of the floating-point inputs (integer inputs, such as
+#                                           class indices, as they are). Ops override it where that is not
+#                                           the best answer: rounded once to the output dtype (gelu, silu_mul,
+#                                           reduce), inf where the output dtype overflows (cross_entropy),
+#                                           written out apart from torch's dispatch (sdpa)
+#   tolerance(dtype) -> opkit.Tolerance     default: opkit.ROW_TOLERANCE[dtype] (the output's rounding plus
+#                                           a few fp32 ulp)
+#
+# Optional hooks, used where present:
 #   match(expr) -> ([input index or None, ...], attrs) | None   recognise the op in a trace (forge/trace.py forms)
-#   fill_missing(inputs) -> tuple            inputs the user's code left out (rmsnorm's weight of ones)
 #   problem(inputs, attrs) -> shape          the spec's problem shape when it is not inputs[0].shape (matmul
 #                                            (M, N, K)); raises ValueError for layouts it does not take; may
 #                                            complete `attrs` in place with what only the tensors show (sdpa's
@@ -33,6 +60,40 @@ REQUIRED = ("NAME", "TEMPLATES", "DEFAULT_ATTRS", "make_spec", "make_inputs", "r
 #   problem_shape(spec) -> shape             the request shape make_spec rebuilds `spec` from, when it is not
 #                                            inputs[0].shape (matmul, sdpa); forge.search(KernelSpec) uses it
 #   TEST_SHAPES, MID_SHAPE, test_candidates(spec)   what tests/test_templates.py runs for this op
+REQUIRED = ("NAME", "TEMPLATES", "DEFAULT_ATTRS", "make_spec", "make_inputs", "reference", "alloc_output",
+            "run", "space", "default", "render_context", "bytes_moved", "flops")
+
+
+def default_fill_missing(inputs) -> tuple:
+    """The contract's default fill_missing: the op has no optional inputs."""
+    return tuple(inputs)
+
+
+def default_tolerance(dtype: str) -> opkit.Tolerance:
+    """The contract's default tolerance: the row ops' bounds."""
+    return opkit.ROW_TOLERANCE[dtype]
+
+
+def default_oracle(reference: Callable, inputs, attrs):
+    """The contract's default oracle: `reference` on float64 copies of the floating-point inputs (the
+    others, e.g. int64 class indices, are passed as they are)."""
+    return reference(tuple(t.double() if t.is_floating_point() else t for t in inputs), attrs)
+
+
+def _bound_oracle(mod: ModuleType) -> Callable:
+    def oracle(inputs, attrs):
+        return default_oracle(mod.reference, inputs, attrs)  # looked up per call: a patched reference holds
+
+    oracle.__doc__ = default_oracle.__doc__
+    return oracle
+
+
+# name -> the default for a module that does not define it (made per module: the oracle needs its reference)
+DEFAULTS: dict[str, Callable[[ModuleType], Callable]] = {
+    "fill_missing": lambda mod: default_fill_missing,
+    "oracle": _bound_oracle,
+    "tolerance": lambda mod: default_tolerance,
+}
 
 
 def _builtin_dirs() -> tuple[Path, Path]:
@@ -59,6 +120,11 @@ class OpFamily:
         make_spec(problem_shape(spec), ...) rebuilds it; the first input's shape unless the op says."""
         own = getattr(self.module, "problem_shape", None)
         return tuple(own(spec)) if own is not None else tuple(spec.inputs[0].shape)
+
+    @property
+    def defaulted(self) -> frozenset[str]:
+        """The optional names (DEFAULTS) this op takes the contract's default for."""
+        return self.module._forge_defaults
 
     @functools.cached_property
     def template_hash(self) -> str:
@@ -96,7 +162,19 @@ def _load(path: Path, template_dir: Path) -> OpFamily:
     for variant, tmpl in mod.TEMPLATES.items():
         if not (template_dir / tmpl).is_file():
             raise TypeError(f"op {mod.NAME}: template {tmpl} for variant {variant!r} not in {template_dir}")
+    _install_defaults(mod)
     return OpFamily(mod.NAME, mod, path, template_dir)
+
+
+def _install_defaults(mod: ModuleType) -> None:
+    """Give `mod` the contract's default for each optional name it does not define (once: a module
+    reused from sys.modules already has them), recording which in mod._forge_defaults."""
+    defaulted = set(getattr(mod, "_forge_defaults", ()))
+    for attr, make in DEFAULTS.items():
+        if not hasattr(mod, attr):
+            setattr(mod, attr, make(mod))
+            defaulted.add(attr)
+    mod._forge_defaults = frozenset(defaulted)
 
 
 def available() -> dict[str, tuple[Path, Path]]:
@@ -113,5 +191,5 @@ def available() -> dict[str, tuple[Path, Path]]:
 def get(name: str) -> OpFamily:
     ops = available()
     if name not in ops:
-        raise UsageError(f"unknown op {name!r}; known ops: {', '.join(sorted(ops)) or '(none)'}")
+        raise UsageError(f"unknown op {shown(name)}; known ops: {', '.join(sorted(ops)) or '(none)'}")
     return _load(*ops[name])

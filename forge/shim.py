@@ -89,8 +89,9 @@ def _tensor_sig(v) -> tuple:
     # get_device() (an int) rather than .device (a new torch.device object per access); is_cuda tells
     # cuda:0 from cpu (-1). Measured on the H200 host: the whole per-call key for two tensors was ~7 µs
     # with tuple(shape) + .device + a closure, about a third of that written this way.
-    return (v.shape, v.dtype, v.stride(), v.is_cuda, v.get_device(), v.requires_grad,
-            v.data_ptr() % ALIGNMENT == 0)
+    # is_meta: a meta tensor reports get_device() -1 like a CPU one (and has no storage to align).
+    return (v.shape, v.dtype, v.stride(), v.is_cuda, v.get_device(), v.is_meta, v.requires_grad,
+            v.is_meta or v.data_ptr() % ALIGNMENT == 0)
 
 
 def _value_sig(v):
@@ -425,7 +426,8 @@ class Optimized:
             return eager(f"{x.device.type} tensors without the interpreter opted in "
                          "(forge.optimize(interpreter=True) or FORGE_INTERPRETER=1)", op=op.name)
         try:
-            spec = op.module.make_spec(shape, dtype, "cuda" if backend == "cuda" else "cpu", attrs)
+            spec = op.module.make_spec(shape, dtype, keys.spec_device(backend), attrs)
+            keys.check_attrs(spec.attrs)
         except ValueError as exc:
             return eager(f"{op.name} does not support this call: {exc}", op=op.name)
         actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
@@ -457,6 +459,9 @@ class Optimized:
             diff = keys.env_diff(entry.env, loc.env)
             return eager(f"cached entry was made for another environment ({', '.join(diff)})",
                          op=op.name, key=key)
+        problem = keys.verify_entry(entry)  # before anything is imported: the cache is untrusted input
+        if problem is not None:
+            return eager(f"cached kernel refused, not loaded: {problem}", op=op.name, key=key)
         module = _load_kernel(entry, cache)
         why = Explanation("kernel", f"cached {entry.speedup or 0:.2f}x faster than eager", op=op.name, key=key,
                           variant=entry.variant, params=entry.params)
@@ -510,6 +515,9 @@ def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=
         raise LookupError(f"{op} {shape} {dtype}: cached source does not match its sha256")
     if entry.env != loc.env:  # the key already covers the environment; this guards an entry stored under a wrong key
         raise LookupError(f"{op} {shape} {dtype}: cached entry was made for another environment")
+    problem = keys.verify_entry(entry)  # before anything is imported: the cache is untrusted input
+    if problem is not None:
+        raise LookupError(f"{op} {shape} {dtype}: cached kernel refused, not loaded: {problem}")
     module = _load_kernel(entry, db)
     binding = _Binding(fam.module, module, spec, list(range(len(spec.inputs))), (None,) * len(spec.inputs),
                        spec.attrs, device_index=device_index)

@@ -199,10 +199,6 @@ def flops(spec: KernelSpec) -> int:
     return 4 * spec.inputs[0].numel
 
 
-def tolerance(dtype: str) -> opkit.Tolerance:
-    return opkit.ROW_TOLERANCE[dtype]
-
-
 # -- recognising cross_entropy in user code (forge/trace.py canonical forms) ---------------------
 def match(expr) -> tuple[list, dict] | None:
     """F.cross_entropy(logits, target, ...) and nn.CrossEntropyLoss(...)(logits, target), both
@@ -245,7 +241,3 @@ def problem(inputs, attrs) -> tuple[int, int]:
     if tuple(target.shape) != (logits.shape[0],):
         raise ValueError(f"target of shape {tuple(target.shape)} does not fit logits of shape {tuple(logits.shape)}")
     return tuple(logits.shape)
-
-
-def fill_missing(inputs: list):
-    return tuple(inputs)

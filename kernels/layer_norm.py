@@ -83,11 +83,6 @@ def reference(inputs, attrs):
     return F.layer_norm(x, x.shape[-1:], w, b, attrs["eps"])
 
 
-def oracle(inputs, attrs):
-    """The correctness oracle: the same call in float64."""
-    return reference(tuple(t.double() for t in inputs), attrs)
-
-
 def alloc_output(inputs, spec: KernelSpec):
     import torch
 
@@ -128,10 +123,6 @@ def bytes_moved(spec: KernelSpec) -> int:
 
 def flops(spec: KernelSpec) -> int:
     return 8 * spec.inputs[0].numel
-
-
-def tolerance(dtype: str) -> opkit.Tolerance:
-    return opkit.ROW_TOLERANCE[dtype]
 
 
 # -- recognising layer_norm in user code (forge/trace.py canonical forms) --------------------------

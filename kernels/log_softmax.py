@@ -24,10 +24,6 @@ def reference(inputs, attrs):
     return torch.log_softmax(inputs[0], dim=-1)
 
 
-def oracle(inputs, attrs):
-    return reference(tuple(t.double() for t in inputs), attrs)
-
-
 def alloc_output(inputs, spec: KernelSpec):
     import torch
 
@@ -58,10 +54,6 @@ def flops(spec: KernelSpec) -> int:
     return 5 * spec.inputs[0].numel
 
 
-def tolerance(dtype: str) -> opkit.Tolerance:
-    return opkit.ROW_TOLERANCE[dtype]
-
-
 # -- recognising log_softmax in user code (forge/trace.py canonical forms) ------------------------
 def match(expr) -> tuple[list, dict] | None:
     """F.log_softmax / torch.log_softmax / x.log_softmax / nn.LogSoftmax over the last dim (no dtype
@@ -69,7 +61,3 @@ def match(expr) -> tuple[list, dict] | None:
     if expr[0] == "log_softmax_last" and expr[1][0] == "input":
         return [expr[1][1]], {"dim": -1}
     return None
-
-
-def fill_missing(inputs: list):
-    return tuple(inputs)

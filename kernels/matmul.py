@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from forge import opkit
+from forge import hardware, opkit
 from forge.spec import ITEMSIZE, KernelSpec, TensorSpec
 
 NAME = "matmul"
@@ -34,12 +34,8 @@ TEST_SHAPES = [(1, 1, 1), (7, 5, 3), (33, 17, 40), (2, 31, 20, 19), (1, 64, 300)
 # devices (16 rows of 1024 columns: few tiles, so split-K is in the GPU space too).
 MID_SHAPE = (16, 1024, 1024)
 
-# Streaming multiprocessors of the H200 (the GPU forge is tuned on). The spec does not name the GPU;
-# this only bounds which split-K points are worth timing (below: when the tiled grid fills the GPU).
-SM_COUNT = 132
-# Shared memory for the pipelined A and B tiles. Hopper allows 227 KB per block; Triton needs some
-# of it for barriers and the epilogue's layout conversion.
-SMEM_BUDGET = 200 * 1024
+# The SM count (hardware.GPU_SMS) only bounds which split-K points are worth timing (space(): when the
+# tiled grid fills the GPU); the pipelined A and B tiles must fit hardware.SMEM_PER_PROGRAM.
 # fp32 accumulator values per thread: above 128 (of 255 registers) the A/B fragments and addresses
 # no longer fit and the kernel spills; below 4 a warp covers less than one MMA instruction's tile.
 MAX_ACC_PER_THREAD = 128
@@ -137,17 +133,11 @@ def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
 
 
 def reference(inputs, attrs):
-    """The eager baseline (cuBLAS on the GPU)."""
+    """The eager baseline (cuBLAS on the GPU). The oracle is the contract's default: this on float64
+    copies of A and B."""
     import torch
 
     return torch.matmul(*inputs)
-
-
-def oracle(inputs, attrs):
-    import torch
-
-    a, b = inputs
-    return torch.matmul(a.double(), b.double())
 
 
 def alloc_output(inputs, spec: KernelSpec):
@@ -198,7 +188,7 @@ def space(spec: KernelSpec) -> opkit.Space:
             return False
         if min(bm, bn, bk) < MIN_BLOCK:
             return False
-        if (bm * bk + bk * bn) * itemsize * stages > SMEM_BUDGET:
+        if (bm * bk + bk * bn) * itemsize * stages > hardware.SMEM_PER_PROGRAM:
             return False
         if on_gpu:
             acc = bm * bn / (32 * warps)
@@ -222,7 +212,7 @@ def space(spec: KernelSpec) -> opkit.Space:
             return False
         # Splitting pays only when the tiles alone leave SMs idle; more than ~4 waves of split
         # programs only adds workspace traffic (SPLIT_K x the fp32 output, written and read back).
-        return not on_gpu or (tiles < SM_COUNT and tiles * split <= 4 * SM_COUNT)
+        return not on_gpu or (tiles < hardware.GPU_SMS and tiles * split <= 4 * hardware.GPU_SMS)
 
     return opkit.Space(variants={v: dict(g) for v, g in grid.items()}, valid=valid)
 
@@ -250,13 +240,13 @@ def default(spec: KernelSpec) -> opkit.Candidate:
     bm = min(128, _cover(m, 16))
     bn = min(128, _cover(n, 32))
     tiles = bt * math.ceil(m / bm) * math.ceil(n / bn)
-    if tiles < SM_COUNT // 2 and k >= 1024:
+    if tiles < hardware.GPU_SMS // 2 and k >= 1024:
         bm_s, bn_s, bk_s = min(64, _cover(m, 16)), 64, 64 if fp32 else 128
         split_tiles = bt * math.ceil(m / bm_s) * math.ceil(n / bn_s)
         for split in (32, 16, 8, 4, 2):
             cand = opkit.Candidate.make("splitk", BLOCK_M=bm_s, BLOCK_N=bn_s, BLOCK_K=bk_s, SPLIT_K=split,
                                         num_warps=4, num_stages=3)
-            if split_tiles * split <= 2 * SM_COUNT and cand in sp:
+            if split_tiles * split <= 2 * hardware.GPU_SMS and cand in sp:
                 return cand
     bk = 32 if fp32 else 64
     for warps in (8, 4):
@@ -300,12 +290,6 @@ def flops(spec: KernelSpec) -> int:
 
 
 # -- tolerance --------------------------------------------------------------------------------------
-# Output rounding and the fp32 ops around it: ROW_TOLERANCE's reasoning (2^-11 fp16, 2^-8 bf16).
-_BASE_TOLERANCE = {
-    "float32": opkit.Tolerance(rel_norm=1e-5, atol=1e-6, rtol=1e-4),
-    "float16": opkit.Tolerance(rel_norm=2e-3, atol=1e-5, rtol=2e-3),
-    "bfloat16": opkit.Tolerance(rel_norm=1e-2, atol=1e-5, rtol=1.6e-2),
-}
 # The K that tolerance(dtype) assumes when it is not told K (forge/tuner/validate.py passes only the
 # dtype): the bound then holds for K <= 65536. A larger K can make a correct kernel fail validation,
 # which only means eager is used; see tolerance_for(spec).
@@ -320,7 +304,7 @@ def tolerance_for_k(dtype: str, k: int) -> opkit.Tolerance:
     Added to the norm bound (x4) and as an absolute floor (x8, covering the largest of millions of
     elements) for elements that cancel to ~0, where no relative bound can hold."""
     acc = 2.0 ** -24 * math.sqrt(max(int(k), 1))
-    base = _BASE_TOLERANCE[dtype]
+    base = opkit.ROW_TOLERANCE[dtype]  # the output's rounding and the fp32 ops around it, as for row ops
     return opkit.Tolerance(rel_norm=base.rel_norm + 4 * acc, atol=base.atol + 8 * acc, rtol=base.rtol)
 
 
@@ -361,6 +345,3 @@ def match(expr) -> tuple[list, dict] | None:
         return None
     return [a[1], b[1]], {}
 
-
-def fill_missing(inputs: list):
-    return tuple(inputs)

@@ -37,11 +37,6 @@ def reference(inputs, attrs):
     return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + attrs["eps"]) * w
 
 
-def oracle(inputs, attrs):
-    """The correctness oracle: the same formula in float64."""
-    return reference(tuple(t.double() for t in inputs), attrs)
-
-
 def alloc_output(inputs, spec: KernelSpec):
     import torch
 
@@ -69,10 +64,6 @@ def bytes_moved(spec: KernelSpec) -> int:
 
 def flops(spec: KernelSpec) -> int:
     return 4 * spec.inputs[0].numel
-
-
-def tolerance(dtype: str) -> opkit.Tolerance:
-    return opkit.ROW_TOLERANCE[dtype]
 
 
 # -- recognising rmsnorm in user code (forge/trace.py canonical forms) ----------------------------

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from forge import opkit
+from forge import hardware, opkit
 from forge.spec import KernelSpec, TensorSpec
 
 NAME = "sdpa"
@@ -42,10 +42,8 @@ DEFAULT_ATTRS = {"causal": False, "scale": None, "kv_heads": None}
 _CALL_ATTRS = {"attn_mask": None, "dropout_p": 0.0, "enable_gqa": None}
 
 MAX_HEAD_DIM = 128
-# H200: multiprocessors (the split-KV rule is about filling them) and the shared memory one program
-# may use (227 KB per block; kept below for the compiler's own scratch).
-NUM_SMS = 132
-SMEM_LIMIT = 200 * 1024
+# The split-KV rule is about filling the GPU's multiprocessors (hardware.GPU_SMS); a program's q tile and
+# K/V buffers must fit hardware.SMEM_PER_PROGRAM.
 # fp32 values per thread (accumulator + score tile + q tile) above which Hopper spills registers.
 MAX_REGS_PER_THREAD = 160
 
@@ -247,7 +245,7 @@ def space(spec: KernelSpec) -> opkit.Space:
             return False
         if warps > 1 and bm * bn / (32 * warps) < 4:
             return False  # warps with almost no scores to work on
-        if esize * (bm * block_d + stages * 2 * bn * block_d) > SMEM_LIMIT:
+        if esize * (bm * block_d + stages * 2 * bn * block_d) > hardware.SMEM_PER_PROGRAM:
             return False  # q tile + num_stages buffers of K and V tiles
         if c.variant == "flash_split":
             # Without a causal mask or a partial last block, both loops are the one of `flash`.
@@ -260,8 +258,8 @@ def space(spec: KernelSpec) -> opkit.Space:
             launched = _splits(skv, bn, splits)[0]
             # Splitting pays only while the unsplit grid leaves SMs idle. Each split holds whole blocks,
             # so a NUM_SPLITS that launches no more splits than half of it would is the same kernel.
-            return (programs < 4 * NUM_SMS and launched > _splits(skv, bn, max(1, splits // 2))[0]
-                    and programs * splits <= 16 * NUM_SMS)
+            return (programs < 4 * hardware.GPU_SMS and launched > _splits(skv, bn, max(1, splits // 2))[0]
+                    and programs * splits <= 16 * hardware.GPU_SMS)
         return True
 
     return opkit.Space(
@@ -285,7 +283,7 @@ def default(spec: KernelSpec) -> opkit.Candidate:
     else:
         if not spec.attrs["causal"]:
             programs = -(-(hq // hkv * sq) // 16) * b * hkv
-            splits = max(2, min(64, opkit.next_pow2(-(-2 * NUM_SMS // programs))))
+            splits = max(2, min(64, opkit.next_pow2(-(-2 * hardware.GPU_SMS // programs))))
             prefs += [mk("split_kv", BLOCK_M=16, BLOCK_N=bn, NUM_SPLITS=ns, num_warps=4, num_stages=2)
                       for bn in (64, 32, 16) for ns in (splits, splits // 2, 2) if ns >= 2]
         variant = "flash_split" if spec.attrs["causal"] else "flash"
@@ -411,6 +409,3 @@ def match(expr) -> tuple[list, dict] | None:
         attrs["dropout_p"] = float(dropout[1])
     return [q[1], k[1], v[1]], attrs
 
-
-def fill_missing(inputs: list):
-    return tuple(inputs)

@@ -24,10 +24,6 @@ def reference(inputs, attrs):
     return torch.softmax(inputs[0], dim=-1)
 
 
-def oracle(inputs, attrs):
-    return reference(tuple(t.double() for t in inputs), attrs)
-
-
 def alloc_output(inputs, spec: KernelSpec):
     import torch
 
@@ -58,17 +54,9 @@ def flops(spec: KernelSpec) -> int:
     return 5 * spec.inputs[0].numel
 
 
-def tolerance(dtype: str) -> opkit.Tolerance:
-    return opkit.ROW_TOLERANCE[dtype]
-
-
 # -- recognising softmax in user code (forge/trace.py canonical forms) ----------------------------
 def match(expr) -> tuple[list, dict] | None:
     """torch.softmax / F.softmax / x.softmax over the last dim (no dtype argument)."""
     if expr[0] == "softmax_last" and expr[1][0] == "input":
         return [expr[1][1]], {"dim": -1}
     return None
-
-
-def fill_missing(inputs: list):
-    return tuple(inputs)

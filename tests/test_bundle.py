@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import forge
 from forge.cache import Cache
-from forge.key import cache_key
+from forge.key import cache_key, imported_version
 from forge.loader import source_sha256
 from forge.spec import KernelSpec
 from forge.tuner import bundle
@@ -62,6 +62,11 @@ def entries():
     }
 
 
+def _imported(e):
+    """An entry as an import stores it: marked as imported (its timings were measured elsewhere)."""
+    return dataclasses.replace(e, forge_version=imported_version(e.forge_version))
+
+
 def test_export_import_round_trip(tmp_path, entries):
     src = _db(tmp_path, "src.db")
     for e in entries.values():
@@ -75,7 +80,7 @@ def test_export_import_round_trip(tmp_path, entries):
     assert res.exit_code == 0, res.output
     assert "3 added, 0 replaced (newer), 0 kept" in " ".join(res.stdout.split())
     dst = _db(tmp_path, "dst.db")
-    assert {e.key: e for e in dst.entries()} == {e.key: e for e in entries.values()}
+    assert {e.key: e for e in dst.entries()} == {e.key: _imported(e) for e in entries.values()}
     # --op filters; importing again changes nothing.
     res = _invoke("cache", "export", tmp_path / "rms.json", "--op", "rmsnorm", "--cache", tmp_path / "src.db")
     assert res.exit_code == 0 and "exported 1 entry" in res.stdout
@@ -177,7 +182,8 @@ def test_merge_newer_wins_and_is_idempotent(tmp_path, entries):
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert sorted(report["added"]) == sorted([old.key, other.key]) and report["replaced"] == []
-    assert dst.get(old.key) == newer and dst.get(other.key) == other and dst.get(entries["eager"].key)
+    assert dst.get(old.key) == _imported(newer) and dst.get(other.key) == _imported(other)
+    assert dst.get(entries["eager"].key)
     before = dst.entries()
     for order in (("a.db", "b.db"), ("b.db", "a.db")):
         res = _invoke("cache", "merge", *(tmp_path / n for n in order), "--cache", tmp_path / "dst.db", "--json")
@@ -191,7 +197,7 @@ def test_merge_newer_wins_and_is_idempotent(tmp_path, entries):
     bad.put(_edited(entries["sm"]))
     res = _invoke("cache", "merge", tmp_path / "bad.db", "--cache", tmp_path / "dst.db")
     assert res.exit_code == 5 and "does not re-render" in " ".join(res.output.split())
-    assert dst.get(other.key) == other
+    assert dst.get(other.key) == _imported(other)
 
 
 def test_merge_leaves_source_dbs_untouched(tmp_path, entries):
@@ -202,7 +208,7 @@ def test_merge_leaves_source_dbs_untouched(tmp_path, entries):
     res = _invoke("cache", "merge", tmp_path / "a.db", "--cache", tmp_path / "d" / "dst.db")
     assert res.exit_code == 0, res.output
     assert (tmp_path / "a.db").read_bytes() == before  # opened read-only (SQLite may add its -shm/-wal)
-    assert _db(tmp_path / "d", "dst.db").get(entries["rms"].key) == entries["rms"]
+    assert _db(tmp_path / "d", "dst.db").get(entries["rms"].key) == _imported(entries["rms"])
     # A newer copy elsewhere replaces it; an older one does not.
     b = _db(tmp_path, "b.db")
     b.put(dataclasses.replace(entries["rms"], created_at=entries["rms"].created_at + 1, search_seconds=9.0))

@@ -283,7 +283,8 @@ def test_put_rejects_malformed_entries(cache: Cache, change: dict) -> None:
 
 def test_schema_version_row_and_columns(tmp_path: Path) -> None:
     path = tmp_path / "forge.db"
-    Cache(path).close()
+    with Cache(path) as c:
+        c.put(make_entry(make_key("first")))  # the first write creates the file and its schema
     conn = sqlite3.connect(path)
     try:
         assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
@@ -293,7 +294,13 @@ def test_schema_version_row_and_columns(tmp_path: Path) -> None:
         assert "entries_op" in indexes
     finally:
         conn.close()
-    Cache(path).close()  # reopening does not add a second version row
+    with Cache(path) as c:  # reopening and writing again does not add a second version row
+        c.put(make_entry(make_key("second")))
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    finally:
+        conn.close()
     conn = sqlite3.connect(path)
     try:
         assert conn.execute("SELECT count(*) FROM schema_version").fetchone() == (1,)
@@ -332,6 +339,7 @@ def test_foreign_sqlite_database_is_refused(tmp_path: Path) -> None:
 
 
 def test_wal_mode_is_on(cache: Cache) -> None:
+    cache.put(make_entry(make_key("wal")))
     conn = sqlite3.connect(cache.path)
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -351,6 +359,9 @@ def test_creates_parent_directories(tmp_path: Path) -> None:
     path = tmp_path / "a" / "b" / "forge.db"
     with Cache(str(path)) as c:
         assert c.path == path
+        assert c.get(make_key("x")) is None and c.entries() == []
+        assert not (tmp_path / "a").exists()  # reading never creates anything
+        c.put(make_entry(make_key("x")))
     assert path.is_file()
 
 
@@ -358,7 +369,7 @@ def test_unusable_directory_is_a_cache_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(CacheError) as excinfo:
-        Cache(blocker / "forge.db")  # parent "directory" is a file
+        Cache(blocker / "forge.db").put(make_entry(make_key("x")))  # parent "directory" is a file
     assert str(blocker) in str(excinfo.value)
     directory = tmp_path / "adir"
     directory.mkdir()

@@ -52,7 +52,7 @@ def test_worker_pool_replaces_dead_workers(tmp_path, fault_ops):
     paths = {v: str(write_source(codegen.render(op, spec, Candidate.make(v, num_warps=1)), tmp_path))
              for v in ("exit", "good", "segfault", "hang", "good")}
     setup = {"cmd": "setup", "op": "faulty", "spec": spec.to_dict(), "seed": 0}
-    with Pool("interpreter", 1, tmp_path / "logs", setup) as p:
+    with Pool("interpreter", 1, setup) as p:
         first_pid = p.workers[0].proc.pid
         got = p.map([(v, {"cmd": "validate", "path": path}) for v, path in paths.items()], timeout=6)
         assert {v: r["status"] for v, r in got.items()} == {

@@ -4,6 +4,7 @@ without search, FORGE_SEARCH=0, integrity checks, forge.load, thread-safe first 
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -205,7 +206,10 @@ def test_cached_eager_and_tampered_entries_fall_back(monkeypatch):
     entry = db.get(key)
     assert entry.decision == "kernel"
     # Source edited behind the hash: never loaded.
-    db._conn.execute("UPDATE entries SET source = source || '# tampered' WHERE key = ?", (key,))
+    raw = sqlite3.connect(db.path)  # edited behind forge's back, sha256 left as it was
+    raw.execute("UPDATE entries SET source = source || '# tampered' WHERE key = ?", (key,))
+    raw.commit()
+    raw.close()
     fresh = forge.optimize(sm_method, interpreter=True, warn=False)  # nothing bound yet
     assert "does not match its sha256" in forge.explain(fresh, x).reason
     # Environment recorded differently (e.g. an imported entry from another torch): a miss.

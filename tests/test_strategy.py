@@ -262,3 +262,54 @@ def test_make():
     assert r.propose(small_space(), {}, 4) == Random(5).propose(small_space(), {}, 4)
     with pytest.raises(ValueError, match="unknown strategy 'nope'"):
         strategy.make("nope")
+
+
+# --- the contract every registered strategy keeps -------------------------------------------------------
+# Driven the way the engine drives it: asked for at most the remaining budget until it returns nothing,
+# with each proposal recorded in the history (the outcome is a stand-in status).
+
+
+def _drive(name: str, space: Space, budget: int, seed: int, first: Candidate | None, batch: int) -> list[Candidate]:
+    strat = strategy.make(name, seed=seed, first=first)
+    history: dict[Candidate, str] = {}
+    order: list[Candidate] = []
+    while len(history) < budget:
+        got = strat.propose(space, history, min(batch, budget - len(history)))
+        assert len(got) <= min(batch, budget - len(history)), f"{name} proposed more than it was asked for"
+        if not got:
+            break
+        for c in got:
+            assert c not in history, f"{name} proposed {c.label} again"
+            history[c] = "ok"
+            order.append(c)
+    return order
+
+
+CONTRACT_SPACES = {
+    "small": lambda: small_space(),
+    "rmsnorm-1x4096": lambda: row_space(spec_for((1, 4096))),
+    "rmsnorm-2048x4096": lambda: row_space(spec_for((2048, 4096))),
+}
+
+
+def test_the_registry_holds_the_built_in_strategies():
+    assert {"grid", "random"} <= set(strategy.names())
+    with pytest.raises(ValueError, match="registered twice"):
+        strategy.register("grid")(Grid)
+
+
+@pytest.mark.parametrize("name", strategy.names())
+@pytest.mark.parametrize("space_name", sorted(CONTRACT_SPACES))
+@pytest.mark.parametrize("budget", [1, 3, 10, 1000])
+@pytest.mark.parametrize("batch", [1, 7, 1000])
+def test_every_strategy_keeps_the_contract(name, space_name, budget, batch):
+    space = CONTRACT_SPACES[space_name]()
+    valid = list(space.all_points())
+    first = valid[len(valid) // 2]
+    order = _drive(name, space, budget, seed=3, first=first, batch=batch)
+    assert len(order) == min(budget, len(valid))  # budget respected, and spent while points remain
+    assert len(set(order)) == len(order)  # no repeats
+    assert all(c in space for c in order)  # valid points only
+    assert order[0] == first  # the op's default goes first
+    # deterministic for a seed: the same run twice proposes the same candidates in the same order
+    assert order == _drive(name, space, budget, seed=3, first=first, batch=batch)

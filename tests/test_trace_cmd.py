@@ -140,7 +140,7 @@ def test_verify_swaps_cached_kernels_and_compares(files, tmp_path, monkeypatch):
     import forge
 
     real = forge.load
-    monkeypatch.setattr(forge, "load", lambda *a, **k: (lambda *t: real(*a, **k)(*t) * 1.5))
+    monkeypatch.setattr(forge.shim, "load", lambda *a, **k: (lambda *t: real(*a, **k)(*t) * 1.5))
     res = runner.invoke(cli.app, ["trace", str(files / "problem.py"), "--device", "cpu", "--verify"])
     assert res.exit_code == 1 and "MISMATCH" in res.output
 

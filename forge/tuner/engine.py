@@ -7,8 +7,7 @@ engine never prints.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,10 +24,11 @@ from forge.opkit import Candidate
 from forge.spec import KernelSpec
 from forge.tuner import stats, strategy
 from forge.tuner.lock import device_lock
-from forge.tuner.pool import Pool, default_size
+from forge.tuner.pool import Pool, capped_size, default_size
+from forge.tuner.status import Status
 
-FAILED_STATUSES = ("mismatch", "compile-error", "error", "timeout", "crashed", "cuda-error")
 Events = Callable[..., None]
+_announced: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class SearchOptions:
 @dataclass
 class CandidateResult:
     candidate: Candidate
-    status: str = "pending"
+    status: Status = Status.PENDING
     reason: str | None = None
     sha256: str | None = None
     path: str | None = None
@@ -103,6 +103,9 @@ class SearchReport:
     cache_path: str | None = None
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds per search phase
     stored: dict[str, float] | None = None  # on a cache hit: the original search's time and date
+    # Why a stored entry for this key was not served (it failed forge/key.py verify_entry) and was
+    # searched again, replacing it; None otherwise.
+    note: str | None = None
 
     @property
     def backend(self) -> str:
@@ -132,6 +135,7 @@ class SearchReport:
             "cache": self.cache_path,
             "phases": {k: round(v, 3) for k, v in self.phases.items()},
             "stored": self.stored,
+            "note": self.note,
         }
 
 
@@ -167,6 +171,39 @@ def resolve_backend(device: str | None) -> str:
     raise UsageError(f"unknown device {device!r}; expected cuda or cpu")
 
 
+# torch indexes tensors with signed 64-bit integers.
+_MAX_INDEX = 2**63 - 1
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def device_memory(backend: str, gpu: int | None = None) -> tuple[int, str]:
+    """(bytes, what) of the memory a search's tensors live in: the GPU's, or the host's for the
+    interpreter (whose tensors are CPU tensors)."""
+    if backend == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(0 if gpu is None else gpu)
+        return props.total_memory, f"the {props.name}'s memory"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host's memory"
+
+
+def check_fits(spec: KernelSpec, backend: str, gpu: int | None = None) -> None:
+    """UsageError (exit 2) before any worker starts for a spec that cannot be tried here: a tensor
+    beyond 64-bit indexing, or inputs that alone exceed the memory they would live in."""
+    for t in spec.inputs:
+        if t.numel > _MAX_INDEX or t.nbytes > _MAX_INDEX:
+            raise UsageError(f"{spec.op} {spec.shape_str}: a {'x'.join(map(str, t.shape))} tensor has "
+                             f"{t.numel:.3g} elements, beyond 64-bit indexing")
+    need = sum(t.nbytes for t in spec.inputs)
+    have, what = device_memory(backend, gpu)
+    if need > have:
+        raise UsageError(f"{spec.op} {spec.shape_str} {spec.dtype}: its inputs alone take {_gib(need)}, more than "
+                         f"{what} ({_gib(have)}); nothing was started. Try a smaller shape.")
+
+
 def device_id(env: dict[str, Any], gpu: int | None = None) -> str:
     """The name of the device lock for an environment (one process times on a device at a time)."""
     if env["backend"] != "cuda":
@@ -184,23 +221,21 @@ class Pools:
     (5.5 s for 8 workers on the H200 machine) is paid once, not once per entry."""
 
     def __init__(self) -> None:
-        self._pools: dict[tuple, tuple[Pool, Path]] = {}
+        self._pools: dict[tuple, Pool] = {}
 
     def get(self, backend: str, size: int, setup: dict, gpu: int | None = None) -> Pool:
         key = (backend, size, gpu)
         if key in self._pools:
-            pool = self._pools[key][0]
+            pool = self._pools[key]
             pool.reconfigure(setup)
             return pool
-        log_dir = Path(tempfile.mkdtemp(prefix="forge-workers-"))
-        pool = Pool(backend, size, log_dir, setup, gpu=gpu)
-        self._pools[key] = (pool, log_dir)
+        pool = Pool(backend, size, setup, gpu=gpu)
+        self._pools[key] = pool
         return pool.start()
 
     def close(self) -> None:
-        for pool, log_dir in self._pools.values():
+        for pool in self._pools.values():
             pool.close()
-            shutil.rmtree(log_dir, ignore_errors=True)
         self._pools.clear()
 
     def __enter__(self) -> Pools:
@@ -224,14 +259,36 @@ def search(op_name: str, shape: tuple[int, ...], dtype: str, *, device: str | No
     loc = keys.request(op_name, shape, dtype, backend, attrs, gpu)
     op, spec, env = loc.op, loc.spec, loc.env
 
+    note = None
     if not opts.force and (entry := cache.get(loc.key)) is not None:
-        return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
+        if (refused := _refused_hit(entry, emit)) is None:
+            return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
+        note = refused
+    check_fits(spec, backend, gpu)
 
     with device_lock(device_id(env, gpu), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
         # Another process may have decided this key while we waited for the device.
         if not opts.force and (entry := cache.get(loc.key)) is not None:
-            return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
-        return _search_locked(op, spec, env, loc.key, backend, cache, opts, emit, t0, pools, gpu)
+            if (refused := _refused_hit(entry, emit if note is None else None)) is None:
+                return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
+            note = refused
+            cache.delete_keys([loc.key])  # never served again, even if this search stores nothing
+        report = _search_locked(op, spec, env, loc.key, backend, cache, opts, emit, t0, pools, gpu)
+        report.note = note
+        return report
+
+
+def _refused_hit(entry: Entry, emit: Events | None) -> str | None:
+    """None if a cached entry may be served; else the note a search that replaces it reports. A kernel the
+    shim would refuse to load (forge/key.py verify_entry: a source that no longer matches its sha256, params
+    outside the op's space, a source the installed templates do not render) is not a decision."""
+    problem = keys.verify_entry(entry)
+    if problem is None:
+        return None
+    if emit is not None:
+        emit("stored-entry-refused", key=entry.key, reason=problem)
+    return (f"the stored entry {entry.key[:12]} failed its check and was not served ({problem}); "
+            "searched again, replacing it")
 
 
 def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit: Events,
@@ -241,11 +298,13 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     strat = strategy.make(opts.strategy, opts.seed, first if first in space else None)
     sampling = SAMPLING[backend]
     src_dir = Path(cache.path).parent / "kernels-src"
-    log_dir = Path(tempfile.mkdtemp(prefix="forge-workers-"))
     results: dict[Candidate, CandidateResult] = {}
     baseline: stats.Quantiles | None = None
     setup = {"cmd": "setup", "op": op.name, "spec": spec.to_dict(), "seed": opts.seed}
-    size = opts.workers or default_size(backend)
+    size, capped = capped_size(opts.workers or default_size(backend), backend)
+    if capped and capped not in _announced:  # once per process, not once per manifest entry
+        _announced.add(capped)
+        emit("workers-capped", message=capped)
 
     emit("start", budget=opts.budget, backend=backend, workers=size)
     phases: dict[str, float] = dict.fromkeys(("startup", "render", "validate", "time", "final"), 0.0)
@@ -258,7 +317,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
         mark = now
 
     pool = (pools.get(backend, size, setup, gpu) if pools is not None
-            else Pool(backend, size, log_dir, setup, gpu=gpu).start())
+            else Pool(backend, size, setup, gpu=gpu).start())
     lap("startup")
     try:
         while len(results) < opts.budget:
@@ -288,17 +347,17 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 reply = pool.call({"cmd": "time", "paths": [], "baseline": True,
                                    "reps": sampling.screen_reps, "settle_ms": sampling.settle_ms},
                                   opts.timeout)
-                if reply["status"] != "ok":
+                if reply["status"] != Status.OK:
                     raise EnvironmentProblem(f"timing the eager baseline failed: {reply.get('reason')}")
                 baseline = stats.Quantiles.of(reply["samples"]["eager"])
                 emit("baseline", quantiles=baseline)
             for cand in batch:
                 r = results[cand]
-                if r.status != "ok":
+                if r.status != Status.OK:
                     continue
                 reply = pool.call({"cmd": "time", "paths": [r.path], "reps": sampling.screen_reps},
                                   opts.timeout)
-                if reply["status"] == "ok":
+                if reply["status"] == Status.OK:
                     r.screen = stats.Quantiles.of(reply["samples"][r.path])
                 else:  # it validated but failed while being timed (e.g. graph capture, timeout)
                     r.status, r.reason = reply["status"], reply.get("reason")
@@ -310,7 +369,6 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     finally:
         if pools is None:  # a borrowed pool stays up for the run's next search
             pool.close()
-        shutil.rmtree(log_dir, ignore_errors=True)
 
     seconds = time.monotonic() - t0
     summary = [r.to_dict(baseline) for r in sorted(results.values(), key=_rank)]
@@ -351,13 +409,13 @@ def _decide(pool: Pool, results: dict[Candidate, CandidateResult], baseline, sam
         reply = pool.call({"cmd": "time", "paths": [r.path for r in finalists], "baseline": True,
                            "rounds": sampling.final_rounds, "reps": 1, "settle_ms": sampling.settle_ms},
                           opts.timeout * (len(finalists) + 1))
-        if reply["status"] == "ok":
+        if reply["status"] == Status.OK:
             break
         # A finalist failed while being re-timed: record it and shoot out without it.
         failed_path = reply.get("failed")
         for r in finalists:
             if failed_path is None or r.path == failed_path:
-                r.status, r.reason, r.screen = reply.get("status", "error"), reply.get("reason"), None
+                r.status, r.reason, r.screen = reply.get("status", Status.ERROR), reply.get("reason"), None
         finalists = [r for r in finalists if r.screen is not None]
     if not finalists:
         return "none", None, None, baseline

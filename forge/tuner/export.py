@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forge import key as keys
 from forge.cache import Cache, Entry
 from forge.errors import UsageError
 from forge.ops import OpFamily
@@ -49,15 +50,19 @@ class NotExportable(UsageError):
 # -- finding the entry --------------------------------------------------------------------------------
 
 def check_exportable(entry: Entry, what: str) -> None:
-    """Only a kernel decision whose source is intact and re-renders from the installed templates."""
+    """Only a kernel decision that passes forge/key.py verify_entry: its source intact, its spec, variant
+    and params a point of the installed op's space, and its source what the installed templates render
+    for them (an entry imported with --trust, or edited in the DB, is refused)."""
     if entry.decision != "kernel":
         raise NotExportable(f"{what}: the cached decision is eager (no candidate beat eager by the required "
                             "margin), so there is no kernel to export")
     try:
         bundle.check_integrity(entry)
-        bundle.check_source(entry)
     except bundle.Rejected as exc:
         raise NotExportable(f"{what}: cached entry {entry.key[:12]} cannot be exported: {exc}") from None
+    problem = keys.verify_entry(entry)
+    if problem is not None:
+        raise NotExportable(f"{what}: cached entry {entry.key[:12]} cannot be exported: {problem}")
 
 
 # -- the op's glue (alloc_output, run and what they use) ----------------------------------------------
@@ -612,7 +617,6 @@ Cache key `{key}`.
 def lookup(cache: Cache, op_name: str, shape: tuple[int, ...], dtype: str, device: str | None,
            attrs: dict[str, Any]) -> tuple[OpFamily, Entry]:
     """The cached decision `forge search` with the same arguments would find on this machine."""
-    from forge import key as keys
     from forge.tuner import engine
 
     if dtype not in DTYPES:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from forge.errors import UsageError
+
 
 def lock_dir() -> Path:
     # Machine-wide (not per cache): two forge runs with different caches still share the GPU.
@@ -24,9 +26,14 @@ def device_lock(device_id: str, on_wait=None) -> Iterator[Path]:
     """Hold the lock for `device_id` (e.g. 'cuda-GPU-<uuid>' or 'interpreter'). Calls on_wait(path)
     once if another process holds it, then blocks until it is free."""
     d = lock_dir()
-    d.mkdir(parents=True, exist_ok=True)
     path = d / (re.sub(r"[^A-Za-z0-9_.-]", "_", device_id) + ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        where = "FORGE_LOCK_DIR" if os.environ.get("FORGE_LOCK_DIR") else "the default lock directory"
+        raise UsageError(f"cannot use {d} for forge's device locks ({where}): {exc.strerror or exc}; "
+                         "set FORGE_LOCK_DIR to a writable directory") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge.errors import UsageError
+from forge import key as keys
+from forge.errors import UsageError, cut, shown
 from forge.spec import DTYPES, canonical_json, parse_shape
+from forge.tuner import strategy
 
 BUILTIN = {"device": None, "dtype": "float16", "budget": 50, "strategy": "grid", "seed": 0, "timeout": 120.0,
            "workers": None}
@@ -97,7 +99,8 @@ def _check(name: str, v: Any, where: str | None) -> Any:
     enumerated = name in ("device", "dtype", "strategy")
 
     def bad(expected: str) -> ManifestError:
-        what = f"unknown {name} {v!r}; expected {expected}" if enumerated else f"expected {expected}, got {v!r}"
+        what = (f"unknown {name} {shown(v)}; expected {expected}" if enumerated
+                else f"expected {expected}, got {shown(v)}")
         return ManifestError(f"--{name}: {what}" if where is None else f"{where}: field '{name}': {what}")
 
     if name == "device":
@@ -107,8 +110,8 @@ def _check(name: str, v: Any, where: str | None) -> Any:
         if v not in DTYPES:
             raise bad(f"one of {', '.join(DTYPES)}")
     elif name == "strategy":
-        if v not in ("grid", "random"):
-            raise bad("'grid' or 'random'")
+        if v not in strategy.names():
+            raise bad(" or ".join(f"'{n}'" for n in strategy.names()))
     elif name in ("budget", "workers"):
         if not _is_int(v) or v < 1:
             raise bad("an integer >= 1")
@@ -166,7 +169,7 @@ def _shapes(entry: dict, where: str) -> list[tuple[int, ...]]:
     raw = [entry["shape"]] if "shape" in entry else entry["shapes"]
     fld = "shape" if "shape" in entry else "shapes"
     if not isinstance(raw, list) or not raw:
-        raise ManifestError(f"{where}: field '{fld}': expected a non-empty list of shapes, got {raw!r}")
+        raise ManifestError(f"{where}: field '{fld}': expected a non-empty list of shapes, got {shown(raw)}")
     out = []
     for s in raw:
         if isinstance(s, str):
@@ -177,7 +180,7 @@ def _shapes(entry: dict, where: str) -> list[tuple[int, ...]]:
         elif isinstance(s, list) and s and all(_is_int(d) and d >= 1 for d in s):
             out.append(tuple(s))
         else:
-            raise ManifestError(f"{where}: field '{fld}': {s!r} is not a shape like \"2048x4096\" or [2048, 4096]")
+            raise ManifestError(f"{where}: field '{fld}': {shown(s)} is not a shape like \"2048x4096\" or [2048, 4096]")
     return out
 
 
@@ -187,7 +190,7 @@ def _dtypes(entry: dict, where: str) -> list[str | None]:
     if "dtypes" in entry:
         raw = entry["dtypes"]
         if not isinstance(raw, list) or not raw:
-            raise ManifestError(f"{where}: field 'dtypes': expected a non-empty list, got {raw!r}")
+            raise ManifestError(f"{where}: field 'dtypes': expected a non-empty list, got {shown(raw)}")
         return [_check("dtype", d, where) for d in raw]
     if "dtype" in entry:
         return [_check("dtype", entry["dtype"], where)]
@@ -222,7 +225,7 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
     where_d = f"{path}: [defaults]"
     bad = sorted(set(defaults) - set(BUILTIN) - {"cache"})
     if bad:
-        raise ManifestError(f"{where_d}: unknown field(s) {', '.join(map(repr, bad))}; known: "
+        raise ManifestError(f"{where_d}: unknown field(s) {', '.join(shown(b, 40) for b in bad[:10])}; known: "
                             f"{', '.join(sorted([*BUILTIN, 'cache']))}")
     defaults = {k: _check(k, v, where_d) for k, v in defaults.items()}
     entries = doc.get("op", [])
@@ -231,30 +234,40 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
     if not entries:
         raise ManifestError(f"{path}: no [[op]] entries")
     known_ops = ops.available()
+    families: dict[str, ops.OpFamily] = {}  # loaded once per op, not once per entry (manifests of 10^5 entries)
     jobs: list[Job] = []
     seen: dict[str, Job] = {}
     for i, entry in enumerate(entries, 1):
         name = entry.get("op")
-        where = f"{path}: [[op]] #{i}" + (f" ({name})" if isinstance(name, str) else "")
+        where = f"{path}: [[op]] #{i}" + (f" ({cut(name, 40)})" if isinstance(name, str) else "")
         if not isinstance(name, str):
-            raise ManifestError(f"{where}: field 'op': expected an op name, got {name!r}")
+            raise ManifestError(f"{where}: field 'op': expected an op name, got {shown(name)}")
         if name not in known_ops:
-            raise ManifestError(f"{where}: field 'op': unknown op {name!r}; known ops: {', '.join(sorted(known_ops))}")
-        opmod = ops.get(name).module
+            raise ManifestError(f"{where}: field 'op': unknown op {shown(name)}; known ops: "
+                                f"{', '.join(sorted(known_ops))}")
+        if name not in families:
+            families[name] = ops.get(name)
+        opmod = families[name].module
         for k in RUN_WIDE:
             if k in entry:
                 raise ManifestError(f"{where}: field '{k}' is run-wide: set it in [defaults] or on the command line")
         attr_names = set(opmod.DEFAULT_ATTRS)
         unknown = sorted(set(entry) - set(ENTRY_FIELDS) - attr_names)
         if unknown:
-            raise ManifestError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; entry fields: "
+            raise ManifestError(f"{where}: unknown field(s) {', '.join(shown(u, 40) for u in unknown[:10])}; "
+                                f"entry fields: "
                                 f"{', '.join(ENTRY_FIELDS)}; {name} attributes: "
                                 f"{', '.join(sorted(attr_names)) or '(none)'}")
         attrs = {}
         for k in sorted(attr_names & set(entry)):
             v = entry[k]
             if not isinstance(v, bool | int | float | str):
-                raise ManifestError(f"{where}: field '{k}': an attribute must be a number, bool or string, got {v!r}")
+                raise ManifestError(f"{where}: field '{k}': an attribute must be a number, bool or string, "
+                                    f"got {shown(v)}")
+            try:
+                keys.check_attrs({k: v})
+            except ValueError as exc:
+                raise ManifestError(f"{where}: field '{k}': {exc}") from None
             attrs[k] = v
         own = {k: _check(k, entry[k], where) for k in PER_ENTRY if k in entry and k != "dtype"}
         # An override (--dtype, FORGE_DTYPE) replaces the entry's dtype list by that one dtype.
@@ -264,8 +277,9 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
             for dtype in dtypes:
                 try:
                     spec = opmod.make_spec(shape, dtype, "cpu", attrs)
-                except ValueError as exc:
-                    raise ManifestError(f"{where}: shape {'x'.join(map(str, shape))} {dtype}: {exc}") from None
+                except (ValueError, TypeError, OverflowError) as exc:
+                    raise ManifestError(f"{where}: shape {cut('x'.join(map(str, shape)), 60)} {dtype}: "
+                                        f"{cut(str(exc), 300)}") from None
                 job = Job(op=name, shape=tuple(shape), dtype=dtype, attrs=dict(spec.attrs),
                           budget=resolve("budget", cli, env, own, defaults),
                           strategy=resolve("strategy", cli, env, own, defaults),

@@ -6,6 +6,11 @@ multiprocessing Connection. Not multiprocessing's spawn method: that re-imports 
 `__main__`, so a user script calling a `@forge.optimize` function at top level (no `__main__` guard)
 was re-run inside every worker and the workers died on start (seen with a script piped to python).
 
+Workers die with their parent: each asks the kernel for SIGKILL when the thread that started it ends
+(PR_SET_PDEATHSIG, forge/tuner/worker.py), so a parent killed by SIGKILL/SIGTERM (`timeout`, Slurm,
+docker) leaves no worker running a hanging candidate behind. Their output goes to unlinked temporary
+files, so a killed run leaves no log directory behind either.
+
 The parent never dies because of a candidate: a worker that times out is killed, one that dies
 (segfault, os._exit) is noticed through its closed pipe, one that reports a CUDA error exits; in every
 case the failure is recorded against the candidate and a fresh worker takes its place. Healthy workers
@@ -18,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -27,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from forge.errors import EnvironmentProblem, ForgeError
+from forge.tuner.status import Status
+from forge.tuner.worker import INTERNAL, READY
 
 # Importing torch + triton + creating a CUDA context: 8 workers started in 5.5 s on the H200 machine
 # and one in ~2 s on the 2-core CPU machine; 180 s leaves room for a cold disk or a loaded host.
@@ -37,10 +45,14 @@ class WorkerInternalError(ForgeError):
     """forge's own code failed inside a worker (a bug, not a candidate's fault)."""
 
 
-def _log_tail(path: Path, limit: int = 1500) -> str:
+def _log_tail(log, limit: int = 1500) -> str:
+    """The last `limit` bytes a worker wrote to its log (an unlinked temporary file). pread leaves the
+    file offset, which the worker shares, where it is."""
     try:
-        data = path.read_bytes()[-limit:]
-    except OSError:
+        fd = log.fileno()
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, limit, max(0, size - limit))
+    except (OSError, ValueError):  # ValueError: already closed
         return ""
     return data.decode(errors="replace").strip()
 
@@ -56,7 +68,7 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-_ROOT = Path(__file__).resolve().parent.parent  # the directory holding forge/ and forge_cli/
+_ROOT = Path(__file__).resolve().parents[2]  # the directory holding forge/ and forge_cli/
 
 
 def worker_env(base, gpu: int | None) -> dict[str, str]:
@@ -100,7 +112,7 @@ class Worker:
     index: int
     proc: Any
     conn: Any
-    log: Path
+    log: Any  # the unlinked temporary file holding its stdout/stderr
     ready: bool = False
     task: Any = None
     deadline: float = 0.0
@@ -108,12 +120,10 @@ class Worker:
 
 
 class Pool:
-    def __init__(self, backend: str, size: int, log_dir: Path, setup: dict, gpu: int | None = None):
+    def __init__(self, backend: str, size: int, setup: dict, gpu: int | None = None):
         self.backend = backend
         self.gpu = gpu  # workers see only this GPU (as cuda:0); None: whatever the parent sees
         self.size = max(1, size)
-        self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.setup_msg = setup
         self.workers: list[Worker] = []
         self._serial = 0
@@ -122,16 +132,16 @@ class Pool:
     # -- lifecycle --------------------------------------------------------------------------------
     def _spawn(self) -> Worker:
         self._serial += 1
-        log = self.log_dir / f"worker-{self._serial}.log"
         parent_conn, child_conn = Pipe()
         fd = child_conn.fileno()
         env = worker_env(os.environ, self.gpu)
+        env["FORGE_WORKER_PARENT"] = str(os.getpid())
         # The worker's stdout/stderr (incl. C-level output: a segfault message, Triton's compiler)
-        # go to a log file the parent reads when the worker dies.
-        with open(log, "ab") as logf:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "forge.tuner.worker", str(fd), self.backend],
-                pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        # go to an unlinked temporary file the parent reads when the worker dies.
+        log = tempfile.TemporaryFile(prefix="forge-worker-")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "forge.tuner.worker", str(fd), self.backend],
+            pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
         child_conn.close()
         return Worker(self._serial, _Proc(popen), parent_conn, log)
 
@@ -154,12 +164,12 @@ class Pool:
                     raise EnvironmentProblem(
                         f"worker failed to start ({_describe_exit(w.proc.exitcode)}):\n{_log_tail(w.log)}"
                     ) from None
-                if msg.get("status") != "ready":
+                if msg.get("status") != READY:
                     raise EnvironmentProblem(f"worker sent {msg!r} instead of ready")
                 w.ready = True
                 w.conn.send(self.setup_msg)
                 reply = w.conn.recv()
-                if reply.get("status") != "ok":
+                if reply.get("status") != Status.OK:
                     raise WorkerInternalError(f"worker setup failed: {reply.get('reason')}")
 
     def reconfigure(self, setup: dict, timeout: float = STARTUP_TIMEOUT_S) -> None:
@@ -173,7 +183,7 @@ class Pool:
                 reply = None
             if reply is None:  # died or hung since its last task: a fresh one gets the new setup
                 self._replace(w)
-            elif reply.get("status") != "ok":
+            elif reply.get("status") != Status.OK:
                 raise WorkerInternalError(f"worker setup failed: {reply.get('reason')}")
 
     def start(self) -> Pool:
@@ -186,6 +196,7 @@ class Pool:
             w.proc.kill()
         w.proc.join(10)
         w.conn.close()
+        w.log.close()
 
     def _replace(self, w: Worker) -> Worker:
         self._kill(w)
@@ -208,6 +219,7 @@ class Pool:
                 w.proc.kill()
                 w.proc.join(5)
             w.conn.close()
+            w.log.close()
         self.workers = []
 
     def __enter__(self) -> Pool:
@@ -223,7 +235,7 @@ class Pool:
         reason = f"worker {_describe_exit(w.proc.exitcode)}"
         if tail:
             reason += f"; last output: {tail}"
-        return {"status": "crashed", "reason": reason}
+        return {"status": Status.CRASHED, "reason": reason}
 
     def map(self, tasks: Iterable[tuple[Any, dict]], timeout: float,
             on_result: Callable[[Any, dict], None] | None = None, lanes: int | None = None) -> dict[Any, dict]:
@@ -267,7 +279,7 @@ class Pool:
                     self._replace(w)
                     continue
                 w.task = None
-                if reply.get("status") == "internal":
+                if reply.get("status") == INTERNAL:
                     raise WorkerInternalError(f"forge failed inside a worker:\n{reply['reason']}")
                 finish(tag, reply)
                 if reply.get("poisoned"):
@@ -277,7 +289,7 @@ class Pool:
                 if w.task is not None and now >= w.deadline and w.conn not in ready:
                     tag = w.task[0]
                     w.task = None
-                    finish(tag, {"status": "timeout", "reason": f"no answer within {timeout:g} s; worker killed"})
+                    finish(tag, {"status": Status.TIMEOUT, "reason": f"no answer within {timeout:g} s; worker killed"})
                     self._replace(w)
         return results
 
@@ -291,3 +303,34 @@ def default_size(backend: str) -> int:
     # On the H200 machine (16 cores) 8 workers validated 50 candidates in 1.7 s but took 5.5 s to
     # start, so more workers would mostly add start-up. The interpreter is CPU-bound: one per core.
     return max(1, min(8, cores)) if backend == "cuda" else max(1, min(2, cores))
+
+
+# Host memory one worker may take: torch + triton imported is ~290 MiB RSS on the CPU machine
+# (measured 2026-12-03); validating and timing a candidate adds its inputs, outputs and the float64
+# oracle. 1 GiB per worker leaves room for that at the shapes a host-side worker holds.
+WORKER_HOST_BYTES = 1 << 30
+
+
+def _available_host_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def capped_size(requested: int, backend: str) -> tuple[int, str | None]:
+    """The worker count to start for `requested`: at most one per CPU core and as many as the available
+    host memory admits at WORKER_HOST_BYTES each (never below one). Returns (size, why it was capped)."""
+    cores = os.cpu_count() or 1
+    size, why = requested, None
+    if size > cores:
+        size, why = cores, f"{cores} CPU core{'s' if cores != 1 else ''}"
+    avail = _available_host_memory()
+    if avail is not None and size > max(1, avail // WORKER_HOST_BYTES):
+        size = max(1, avail // WORKER_HOST_BYTES)
+        why = f"{avail / 2**30:.1f} GiB of available host memory at {WORKER_HOST_BYTES / 2**30:.0f} GiB per worker"
+    return size, (f"{requested} workers requested; starting {size} ({why})" if size != requested else None)

@@ -8,7 +8,7 @@ avoid repeats.
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from forge.opkit import Candidate, Space
@@ -16,6 +16,24 @@ from forge.opkit import Candidate, Space
 
 class Strategy(Protocol):
     def propose(self, space: Space, history: Mapping[Candidate, Any], n: int) -> list[Candidate]: ...
+
+
+# name -> factory(seed, first): every strategy is built the same way. `first` is the op's default
+# candidate (proposed first when it is in the space); `seed` makes randomised strategies replayable.
+REGISTRY: dict[str, Callable[[int, Candidate | None], Strategy]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a strategy available as `--strategy NAME` (its constructor takes
+    keyword arguments seed and first; a strategy that needs no seed ignores it)."""
+
+    def add(cls):
+        if name in REGISTRY:
+            raise ValueError(f"strategy {name!r} is registered twice")
+        REGISTRY[name] = cls
+        return cls
+
+    return add
 
 
 def _spread(points: list[Candidate], k: int) -> list[Candidate]:
@@ -30,13 +48,14 @@ def _spread(points: list[Candidate], k: int) -> list[Candidate]:
     return [points[round(i * step)] for i in range(k)]
 
 
+@register("grid")
 class Grid:
     """Every valid point when it fits the budget; otherwise the budget is shared round-robin across
     structural variants and each variant's share is spread evenly over its grid, so a small budget
     still sees every variant and both ends of each parameter range."""
 
-    def __init__(self, first: Candidate | None = None):
-        self.first = first
+    def __init__(self, first: Candidate | None = None, *, seed: int = 0):
+        self.first = first  # deterministic: the seed is not used
 
     def propose(self, space: Space, history: Mapping[Candidate, Any], n: int) -> list[Candidate]:
         per_variant = {v: [c for c in space.points(v) if c not in history and c != self.first]
@@ -67,6 +86,7 @@ class Grid:
         return out
 
 
+@register("random")
 class Random:
     """Uniform over all valid points, seeded, without repeats."""
 
@@ -84,9 +104,12 @@ class Random:
         return out
 
 
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
 def make(name: str, seed: int = 0, first: Candidate | None = None) -> Strategy:
-    if name == "grid":
-        return Grid(first)
-    if name == "random":
-        return Random(seed, first)
-    raise ValueError(f"unknown strategy {name!r}; expected grid or random")
+    factory = REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(f"unknown strategy {name!r}; expected {' or '.join(REGISTRY)}")
+    return factory(seed=seed, first=first)

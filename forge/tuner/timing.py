@@ -100,9 +100,11 @@ class Bench:
         except Exception as exc:  # noqa: BLE001 - capture/replay of candidate code failed
             raise CandidateRaised(f"CUDA-graph timing failed: {exc}") from exc
 
-    def _graph_sampler(self, fn: Callable[[int], None]) -> Callable[[], float]:
+    def launches_per_sample(self, fn: Callable[[int], None]) -> int:
+        """K, the back-to-back launches one sample times (a graph replay, or CUDA events around plain
+        launches in forge bench): ~TARGET_REPLAY_US of device time, at most MAX_LAUNCHES_PER_GRAPH."""
         torch = self.torch
-        # Estimate the per-call device time with a plain loop to size the graph.
+        # Estimate the per-call device time with a plain loop to size the sample.
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for k in range(10):
@@ -110,7 +112,11 @@ class Bench:
         end.record()
         torch.cuda.synchronize()
         per_call_us = max(start.elapsed_time(end) * 1000.0 / 10, 0.5)
-        k_launches = int(min(MAX_LAUNCHES_PER_GRAPH, max(1, round(TARGET_REPLAY_US / per_call_us))))
+        return int(min(MAX_LAUNCHES_PER_GRAPH, max(1, round(TARGET_REPLAY_US / per_call_us))))
+
+    def _graph_sampler(self, fn: Callable[[int], None]) -> Callable[[], float]:
+        torch = self.torch
+        k_launches = self.launches_per_sample(fn)
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

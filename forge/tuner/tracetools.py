@@ -365,7 +365,7 @@ def swapped_module(result: TraceResult, cache, backend: str):
     Returns (GraphModule, {region index: 'kernel' | reason})."""
     import torch.fx as fx
 
-    import forge
+    from forge.shim import load
 
     g = result.graph
     gm = fx.GraphModule(g.gm, g.gm.graph.__deepcopy__())
@@ -377,7 +377,7 @@ def swapped_module(result: TraceResult, cache, backend: str):
             continue
         device = "cuda" if backend == "cuda" else "cpu"
         try:
-            kernel = forge.load(r.op, r.shape, r.dtype, device=device, cache=str(cache.path), **r.attrs)
+            kernel = load(r.op, r.shape, r.dtype, device=device, cache=str(cache.path), **r.attrs)
         except LookupError as exc:
             status[r.index] = f"eager ({exc})"
             continue

@@ -16,6 +16,8 @@ import sys
 import traceback
 from typing import Any
 
+from forge.tuner.status import Status
+
 CUDA_ERROR_MARKERS = ("CUDA error", "cudaError", "CUDA_ERROR", "illegal memory access",
                       "unspecified launch failure", "device-side assert")
 
@@ -42,6 +44,11 @@ def _short(exc: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# The worker protocol's own replies besides outcomes: started, and a forge bug inside the worker. A
+# timing request one of whose candidates fails gets that candidate's outcome plus "failed": its path.
+READY, INTERNAL = "ready", "internal"
+
+
 class Session:
     def __init__(self, backend: str):
         self.backend = backend
@@ -60,7 +67,7 @@ class Session:
         self.seed = int(msg.get("seed", 0))
         self.bench = None
         self.modules.clear()
-        return {"status": "ok"}
+        return {"status": Status.OK}
 
     def _load(self, path: str):
         from forge.loader import load_module
@@ -81,21 +88,21 @@ class Session:
         try:
             module = self._load(msg["path"])
         except Exception as exc:  # noqa: BLE001 - a rendered module that fails to import
-            return {"status": "compile-error", "reason": _short(exc)}
+            return {"status": Status.COMPILE_ERROR, "reason": _short(exc)}
         try:
             reason = check_candidate(self.op, module, self.spec, self.seed, self._sync)
         except CandidateRaised as exc:
             return self._failure(exc.__cause__ or exc)
         if reason is not None:
-            return {"status": "mismatch", "reason": reason}
-        return {"status": "ok"}
+            return {"status": Status.MISMATCH, "reason": reason}
+        return {"status": Status.OK}
 
     def _failure(self, exc: BaseException) -> dict:
         if _is_cuda_error(exc):
-            return {"status": "cuda-error", "reason": _short(exc), "poisoned": True}
+            return {"status": Status.CUDA_ERROR, "reason": _short(exc), "poisoned": True}
         if _is_compile_error(exc):
-            return {"status": "compile-error", "reason": _short(exc)}
-        return {"status": "error", "reason": _short(exc)}
+            return {"status": Status.COMPILE_ERROR, "reason": _short(exc)}
+        return {"status": Status.ERROR, "reason": _short(exc)}
 
     def time(self, msg: dict) -> dict:
         """Time the listed candidates (and the eager baseline if asked). With rounds > 1 the
@@ -113,7 +120,7 @@ class Session:
             try:
                 samplers[path] = bench.prepare(bench.candidate_fn(self._load(path)))
             except CandidateRaised as exc:
-                return {"status": "failed", "failed": path, **self._failure(exc.__cause__ or exc)}
+                return {**self._failure(exc.__cause__ or exc), "failed": path}
         if msg.get("settle_ms"):
             bench.settle(next(iter(samplers.values())), msg["settle_ms"])
         samples: dict[str, list[float]] = {name: [] for name in samplers}
@@ -122,10 +129,27 @@ class Session:
                 for _ in range(int(msg.get("reps", 1))):
                     samples[name].append(sampler())
         launches = {name: getattr(s, "launches", 1) for name, s in samplers.items()}
-        return {"status": "ok", "samples": samples, "launches": launches}
+        return {"status": Status.OK, "samples": samples, "launches": launches}
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this worker when the parent thread that started it ends (Linux), so a
+    killed forge never leaves a worker running a hanging candidate; and exit now if the parent is
+    already gone (it died between fork and this call)."""
+    parent = os.environ.get("FORGE_WORKER_PARENT")
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != int(parent):
+        os._exit(0)
 
 
 def main(conn, backend: str) -> None:
+    die_with_parent()
     if backend == "interpreter":
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -135,7 +159,7 @@ def main(conn, backend: str) -> None:
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # create the context now, not inside the first candidate
     session = Session(backend)
-    conn.send({"status": "ready", "pid": os.getpid()})
+    conn.send({"status": READY, "pid": os.getpid()})
     handlers = {"setup": session.setup, "validate": session.validate, "time": session.time}
     while True:
         try:
@@ -148,9 +172,9 @@ def main(conn, backend: str) -> None:
             reply = handlers[msg["cmd"]](msg)
         except Exception as exc:  # noqa: BLE001 - forge's own failure: report it with the traceback
             if _is_cuda_error(exc):
-                reply = {"status": "cuda-error", "reason": _short(exc), "poisoned": True}
+                reply = {"status": Status.CUDA_ERROR, "reason": _short(exc), "poisoned": True}
             else:
-                reply = {"status": "internal", "reason": traceback.format_exc()}
+                reply = {"status": INTERNAL, "reason": traceback.format_exc()}
         conn.send(reply)
         if reply.get("poisoned"):
             sys.stdout.flush()

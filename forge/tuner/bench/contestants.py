@@ -1,0 +1,165 @@
+"""The reference contestants of `forge bench`: the fused torch op per op family (FUSED), the Liger-Kernel
+adapters (LIGER), and the torch.compile helpers."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from forge.tuner.bench._common import _short
+
+CONTESTANTS = ("forge", "eager", "fused", "compile", "compile-max-autotune", "liger")
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The fused torch op for an op family. same_as_eager: the op's eager reference already is this call,
+    so timing it again would only measure noise; it is reported as "same as eager" instead."""
+
+    label: str
+    fn: Callable[[tuple, dict], Any]
+    same_as_eager: bool = False
+
+
+def _f():
+    import torch.nn.functional as F
+
+    return F
+
+
+def _fused_reduce(inputs, attrs):
+    import torch
+
+    fn = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "argmax": torch.argmax}[attrs["kind"]]
+    return fn(inputs[0], dim=-1, keepdim=attrs["keepdim"])
+
+
+def _fused_sdpa(inputs, attrs):
+    q, k, v = inputs
+    kwargs = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return _f().scaled_dot_product_attention(q, k, v, is_causal=attrs["causal"], scale=attrs["scale"], **kwargs)
+
+
+# Every op in kernels/ has an entry (tests/test_bench_cmd.py checks it): a Fused, or the reason there is none.
+FUSED: dict[str, Fused | str] = {
+    # The reference is the formula as users write it (5 kernels in eager); F.rms_norm is torch's fused op.
+    "rmsnorm": Fused("F.rms_norm", lambda i, a: _f().rms_norm(i[0], (i[0].shape[-1],), i[1], a["eps"])),
+    "softmax": Fused("torch.softmax", lambda i, a: __import__("torch").softmax(i[0], -1), same_as_eager=True),
+    "log_softmax": Fused("F.log_softmax", lambda i, a: _f().log_softmax(i[0], -1), same_as_eager=True),
+    "layer_norm": Fused("F.layer_norm", lambda i, a: _f().layer_norm(i[0], i[0].shape[-1:], i[1], i[2], a["eps"]),
+                        same_as_eager=True),
+    "gelu": Fused("F.gelu", lambda i, a: _f().gelu(i[0], approximate=a["approximate"]), same_as_eager=True),
+    # torch has no fused silu-and-multiply: F.silu(a) * b is two kernels, which is what eager runs.
+    "silu_mul": Fused("F.silu(a) * b", lambda i, a: _f().silu(i[0]) * i[1], same_as_eager=True),
+    "sdpa": Fused("F.scaled_dot_product_attention", _fused_sdpa, same_as_eager=True),
+    "matmul": Fused("torch.matmul", lambda i, a: __import__("torch").matmul(i[0], i[1]), same_as_eager=True),
+    "cross_entropy": Fused("F.cross_entropy", lambda i, a: _f().cross_entropy(
+        i[0], i[1], ignore_index=a["ignore_index"], reduction=a["reduction"]), same_as_eager=True),
+    "reduce": Fused("torch.sum / mean / amax / argmax", _fused_reduce, same_as_eager=True),
+    "rope": "torch has no fused rotary-embedding op",
+}
+
+
+class _Unavailable(Exception):
+    """A contestant that cannot run here; the message says why (shown in the table and in --json)."""
+
+
+def _liger_api(functional_name: str, ops_module: str, function_class: str) -> Callable:
+    """liger_kernel.transformers.functional.<name> (the stable functional API), else <ops_module>.<Class>.apply."""
+    try:
+        functional = importlib.import_module("liger_kernel.transformers.functional")
+        fn = getattr(functional, functional_name, None)
+    except Exception:  # noqa: BLE001 - a broken liger install must not stop the bench
+        fn = None
+    if fn is None:
+        try:
+            fn = getattr(importlib.import_module(ops_module), function_class).apply
+        except Exception as exc:  # noqa: BLE001
+            raise _Unavailable(f"this liger_kernel has neither transformers.functional.{functional_name} nor "
+                               f"{ops_module}.{function_class} ({type(exc).__name__})") from None
+    return fn
+
+
+def _liger_rmsnorm():
+    fn = _liger_api("liger_rms_norm", "liger_kernel.ops.rms_norm", "LigerRMSNormFunction")
+    return "liger_rms_norm", lambda i, a: fn(i[0], i[1], a["eps"])
+
+
+def _liger_softmax():
+    fn = _liger_api("liger_softmax", "liger_kernel.ops.softmax", "LigerSoftmaxFunction")
+    return "liger_softmax", lambda i, a: fn(i[0])
+
+
+def _liger_layer_norm():
+    fn = _liger_api("liger_layer_norm", "liger_kernel.ops.layer_norm", "LigerLayerNormFunction")
+    return "liger_layer_norm", lambda i, a: fn(i[0], i[1], i[2], a["eps"])
+
+
+def _liger_swiglu():
+    fn = _liger_api("liger_swiglu", "liger_kernel.ops.swiglu", "LigerSiLUMulFunction")
+    return "liger_swiglu", lambda i, a: fn(i[0], i[1])
+
+
+def _liger_cross_entropy():
+    try:
+        fn = importlib.import_module("liger_kernel.transformers.functional").liger_cross_entropy
+    except Exception:  # noqa: BLE001 - the Function's positional signature changed across versions
+        raise _Unavailable("this liger_kernel has no transformers.functional.liger_cross_entropy") from None
+
+    def call(i, a):
+        loss = fn(i[0], i[1], ignore_index=a["ignore_index"], reduction=a["reduction"])
+        return loss[0] if isinstance(loss, tuple) else loss  # some versions return (loss, z_loss)
+
+    return "liger_cross_entropy", call
+
+
+LIGER: dict[str, Callable[[], tuple[str, Callable]] | str] = {
+    "rmsnorm": _liger_rmsnorm,
+    "softmax": _liger_softmax,
+    "layer_norm": _liger_layer_norm,
+    "silu_mul": _liger_swiglu,
+    "cross_entropy": _liger_cross_entropy,
+    "rope": ("Liger's rope rotates q and k in one call and reads only the first half of cos/sin (the Hugging "
+             "Face layout, halves equal); forge's rope takes any (S, D) cos/sin"),
+    "gelu": "Liger-Kernel has GeGLU (gelu(a) * b), not a plain gelu",
+    "matmul": "Liger-Kernel has no matmul",
+    "sdpa": "Liger-Kernel has no attention forward kernel",
+    "reduce": "Liger-Kernel has no row reductions",
+    "log_softmax": "Liger-Kernel has no log_softmax kernel",
+}
+
+
+def _liger(op: str) -> tuple[str, Callable]:
+    what = LIGER.get(op, f"Liger-Kernel has no {op} kernel")
+    if isinstance(what, str):
+        raise _Unavailable(what)
+    try:
+        importlib.import_module("liger_kernel")
+    except ImportError:
+        raise _Unavailable("liger_kernel is not installed (pip install liger-kernel)") from None
+    except Exception as exc:  # noqa: BLE001 - installed but broken (e.g. built for another triton)
+        raise _Unavailable(f"liger_kernel failed to import: {_short(exc)}") from None
+    return what()
+
+
+def _cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU backend (inductor) would use, if one exists."""
+    for name in (os.environ.get("CXX"), "g++", "clang++", "c++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _fresh_function(fn: Callable, tag: str) -> Callable:
+    """A copy of `fn` with its own code object. Dynamo caches compiled code per code object, so two
+    torch.compile modes (or many specs of one op in a manifest, past dynamo's recompile limit) on the same
+    function would share (or exhaust) one cache."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    new = types.FunctionType(code, fn.__globals__, f"{fn.__name__}_{tag}", fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new

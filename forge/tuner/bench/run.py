@@ -1,0 +1,372 @@
+"""`forge bench`: validate every contestant against the float64 oracle, time them interleaved with the
+search's final sampling, and put each against eager and the roofline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forge import key as keys
+from forge import ops
+from forge.cache import Cache
+from forge.env import collect_env
+from forge.loader import load_module, write_source
+from forge.spec import KernelSpec
+from forge.tuner import engine, stats
+from forge.tuner.bench import contestants as refs
+from forge.tuner.bench._common import Events, _fmt_params, _short
+from forge.tuner.bench.peaks import Peaks, device_peaks
+from forge.tuner.bench.roofline import roofline_model, roofline_pct
+from forge.tuner.bench.targets import Target, prepare_backend
+from forge.tuner.lock import device_lock
+from forge.tuner.status import Status
+
+# Validation inputs of the bench: a seed the search never used for validation (seed + 1000 * i) or timing
+# (seed + 77 + i), so the cached kernel is checked on data it was not chosen on.
+BENCH_VALIDATION_SEED = 4242
+
+
+@dataclass
+class BenchOptions:
+    seed: int = 0
+    rounds: int | None = None  # interleaved rounds; None: the search's finals (engine.SAMPLING)
+    skip: frozenset[str] = frozenset()
+    max_autotune: bool = False
+    remeasure_peaks: bool = False
+    timeout: float = 120.0  # --recheck: seconds per worker request
+    drift_floor: float = stats.DRIFT_FLOOR
+
+
+@dataclass
+class ContestantResult:
+    name: str
+    label: str
+    status: Status = Status.PENDING  # ok | mismatch | error | skipped | refused (forge: fails verify_entry)
+    reason: str | None = None
+    clock: str | None = None  # cuda-graph | cuda-events | host
+    note: str | None = None
+    quantiles: stats.Quantiles | None = None
+    speedup: float | None = None  # eager p50 / this p50
+    roofline: dict[str, float] | None = None
+    # not serialized: how to run it
+    call: Callable[[tuple], Any] | None = field(default=None, repr=False)
+    timing: Callable[[Any], Callable[[int], None]] | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.roofline or {}
+        return {"name": self.name, "label": self.label, "status": self.status, "reason": self.reason,
+                "clock": self.clock, "note": self.note,
+                "quantiles": self.quantiles.to_dict() if self.quantiles else None,
+                "speedup": self.speedup, "pct_roofline": r.get("pct_roofline"),
+                "achieved_tbps": r.get("achieved_tbps"), "achieved_tflops": r.get("achieved_tflops")}
+
+
+@dataclass
+class TargetResult:
+    target: Target
+    contestants: list[ContestantResult] = field(default_factory=list)
+    model: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+    @property
+    def fastest(self) -> str | None:
+        ok = [c for c in self.contestants if c.quantiles is not None]
+        return min(ok, key=lambda c: c.quantiles.p50).name if ok else None
+
+    def contestant(self, name: str) -> ContestantResult | None:
+        return next((c for c in self.contestants if c.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        t, e = self.target, self.target.entry
+        stored = None
+        if e is not None:
+            stored = {"decision": e.decision, "variant": e.variant, "params": e.params, "winner": e.winner,
+                      "baseline": e.baseline, "speedup": e.speedup}
+        return {"op": t.op, "shape": t.shape_str, "dtype": t.dtype, "attrs": t.attrs, "key": t.key,
+                "error": t.error, "stored": stored, **(self.model or {}),
+                "contestants": [c.to_dict() for c in self.contestants], "fastest": self.fastest,
+                "seconds": round(self.seconds, 3)}
+
+
+@dataclass
+class BenchReport:
+    backend: str
+    env: dict[str, Any]
+    cache_path: str
+    peaks: Peaks | None
+    results: list[TargetResult]
+    options: BenchOptions
+    seconds: float = 0.0
+
+    @property
+    def missing(self) -> list[TargetResult]:
+        return [r for r in self.results if r.target.error]
+
+    @property
+    def bad_kernels(self) -> list[TargetResult]:
+        """Targets whose cached kernel failed its sha256 or the oracle check (the cache must not serve it)."""
+        return [r for r in self.results
+                if (c := r.contestant("forge")) is not None
+                and c.status in (Status.REFUSED, Status.MISMATCH, Status.ERROR)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": "bench", "backend": self.backend,
+                "timing_clock": ("device: CUDA-graph replays (cuda-events where a contestant cannot be captured)"
+                                 if self.backend == "cuda" else "host (Triton interpreter)"),
+                "env": self.env, "cache": self.cache_path, "peaks": self.peaks.to_dict() if self.peaks else None,
+                "rounds": self.options.rounds or engine.SAMPLING[self.backend].final_rounds, "seed": self.options.seed,
+                "targets": [r.to_dict() for r in self.results], "missing": len(self.missing),
+                "bad_kernels": len(self.bad_kernels), "seconds": round(self.seconds, 3)}
+
+
+def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions) -> list[ContestantResult]:
+    opmod = ops.get(target.op).module
+    spec, entry, attrs = target.spec, target.entry, target.spec.attrs
+    out: list[ContestantResult] = []
+
+    def generic(fn: Callable) -> tuple[Callable, Callable]:
+        return (lambda inputs: fn(inputs, attrs)), (lambda bench: (lambda i: fn(bench.inputs[i], attrs)))
+
+    # forge: the cached winner
+    label = f"{entry.variant}({_fmt_params(entry.params)})" if entry.decision == "kernel" else "(eager decision)"
+    c = ContestantResult("forge", label)
+    if "forge" in opts.skip:
+        c.status, c.reason = Status.SKIPPED, "--skip forge"
+    elif entry.decision != "kernel":
+        c.status, c.reason = Status.SKIPPED, "the cached decision is eager: no kernel beat eager by the margin"
+    elif not keys.source_intact(entry):
+        c.status, c.reason = Status.REFUSED, ("the cached source does not match its sha256 (edited after the search): "
+                                              f"not loaded; forge cache rm {entry.key[:12]}, then search again")
+    elif (problem := keys.verify_entry(entry)) is not None:  # checked before anything is imported
+        c.status, c.reason = Status.REFUSED, (f"not loaded: {problem}; forge cache rm {entry.key[:12]}, "
+                                              "then search again")
+    else:
+        try:
+            module = load_module(write_source(entry.source, src_dir))
+        except Exception as exc:  # noqa: BLE001 - a cached module that no longer imports
+            c.status, c.reason = Status.ERROR, f"the cached source does not import: {_short(exc)}"
+        else:
+            def run_forge(inputs, module=module):
+                from forge.tuner.validate import poison
+
+                res = opmod.alloc_output(inputs, spec)
+                poison(res)
+                opmod.run(module, inputs, res, attrs)
+                return res
+
+            c.call = run_forge
+            c.timing = lambda bench, module=module: bench.candidate_fn(module)
+    out.append(c)
+
+    # eager: the op's reference, the search's baseline
+    c = ContestantResult("eager", f"kernels/{target.op}.py reference")
+    c.call = lambda inputs: opmod.reference(inputs, attrs)
+    c.timing = lambda bench: bench.baseline_fn()
+    out.append(c)
+
+    # fused torch op
+    fused = refs.FUSED.get(target.op,
+                           f"no fused torch op is listed for {target.op} (forge/tuner/bench/contestants.py FUSED)")
+    c = ContestantResult("fused", fused.label if isinstance(fused, refs.Fused) else "-")
+    if isinstance(fused, str):
+        c.status, c.reason = Status.SKIPPED, fused
+    elif "fused" in opts.skip:
+        c.status, c.reason = Status.SKIPPED, "--skip fused"
+    elif fused.same_as_eager:
+        c.status, c.reason = Status.SKIPPED, f"same as eager: the op's eager reference already is {fused.label}"
+    else:
+        c.call, c.timing = generic(fused.fn)
+    out.append(c)
+
+    # torch.compile of the reference
+    modes = [("compile", None)]
+    if opts.max_autotune:
+        modes.append(("compile-max-autotune", "max-autotune-no-cudagraphs"))
+    for name, mode in modes:
+        c = ContestantResult(name, f"torch.compile(reference{', mode=' + repr(mode) if mode else ''})")
+        if name in opts.skip:
+            c.status, c.reason = Status.SKIPPED, f"--skip {name}"
+        elif backend == "interpreter" and refs._cpp_compiler() is None:
+            c.status, c.reason = Status.SKIPPED, ("torch.compile on the CPU needs a C++ compiler (g++, clang++ or "
+                                                  "$CXX); none found")
+        else:
+            try:
+                import torch
+
+                kwargs: dict[str, Any] = {"dynamic": False}
+                if mode:
+                    kwargs["mode"] = mode
+                compiled = torch.compile(refs._fresh_function(opmod.reference, name.replace("-", "_")), **kwargs)
+            except Exception as exc:  # noqa: BLE001 - e.g. an unsupported Python for dynamo
+                c.status, c.reason = Status.SKIPPED, f"torch.compile is unavailable: {_short(exc)}"
+            else:
+                c.call, c.timing = generic(compiled)
+        out.append(c)
+
+    # Liger-Kernel
+    c = ContestantResult("liger", "-")
+    if "liger" in opts.skip:
+        c.status, c.reason = Status.SKIPPED, "--skip liger"
+    else:
+        try:
+            c.label, fn = refs._liger(target.op)
+        except refs._Unavailable as exc:
+            c.status, c.reason = Status.SKIPPED, str(exc)
+        else:
+            c.call, c.timing = generic(fn)
+    out.append(c)
+    return out
+
+
+def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed: int, sync: Callable) -> None:
+    """Run each pending contestant once on fresh inputs (a private clone each, so one that writes into
+    its inputs cannot affect the next) and compare with the float64 oracle."""
+    import torch
+
+    from forge.tuner.validate import compare
+
+    inputs = opmod.make_inputs(spec, seed + BENCH_VALIDATION_SEED, "normal")
+    with torch.no_grad():
+        ref = opmod.oracle(inputs, spec.attrs)
+    tol = opmod.tolerance(spec.dtype)
+    for c in contestants:
+        if c.status != Status.PENDING:
+            continue
+        try:
+            res = c.call(tuple(t.clone() for t in inputs))
+            sync()
+        except Exception as exc:  # noqa: BLE001 - a contestant may raise anything (compile errors too)
+            c.status, c.reason = Status.ERROR, _short(exc)
+            continue
+        reason = compare(res, ref, tol)
+        if reason is not None:
+            c.status, c.reason = Status.MISMATCH, f"does not match the float64 oracle, not timed: {reason}"
+
+
+def _event_sampler(bench, fn: Callable[[int], None]) -> Callable[[], float]:
+    """µs per call from CUDA events around K back-to-back launches (K sized like the graph replays)."""
+    torch = bench.torch
+    k_launches = bench.launches_per_sample(fn)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    counter = [0]
+
+    def sample() -> float:
+        start.record()
+        for _ in range(k_launches):
+            fn(counter[0] % bench.n_sets)
+            counter[0] += 1
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1000.0 / k_launches
+
+    sample.launches = k_launches
+    return sample
+
+
+def _time(contestants: list[ContestantResult], opmod, spec: KernelSpec, backend: str, opts: BenchOptions,
+          sampling: engine.Sampling) -> None:
+    from forge.tuner.timing import Bench
+    from forge.tuner.validate import CandidateRaised
+
+    cuda = backend == "cuda"
+    samplers: dict[str, tuple[Callable[[], float], Any]] = {}
+    for c in contestants:
+        if c.status != Status.PENDING:
+            continue
+        bench = Bench(opmod, spec, backend, opts.seed)  # private rotating input sets
+        fn = c.timing(bench)
+        try:
+            sampler = bench.prepare(fn)
+            c.clock = "cuda-graph" if cuda else "host"
+        except CandidateRaised as exc:
+            if not (cuda and str(exc).startswith("CUDA-graph timing failed")):
+                c.status, c.reason = Status.ERROR, ("failed while being prepared for timing: "
+                                                    f"{_short(exc.__cause__ or exc)}")
+                continue
+            try:
+                bench.torch.cuda.synchronize()
+                sampler = _event_sampler(bench, fn)
+            except Exception as exc2:  # noqa: BLE001
+                c.status, c.reason = Status.ERROR, f"cannot be timed: {_short(exc2)}"
+                continue
+            c.clock = "cuda-events"
+            c.note = (f"not capturable in a CUDA graph ({_short(exc.__cause__ or exc, 160)}): timed with CUDA events "
+                      "around back-to-back launches, host launch cost included when it exceeds the kernel's")
+        samplers[c.name] = (sampler, bench)
+    by_name = {c.name: c for c in contestants}
+    samples: dict[str, list[float]] = {name: [] for name in samplers}
+
+    def one_round(keep: bool) -> None:
+        for name in list(samplers):
+            try:
+                value = samplers[name][0]()
+            except Exception as exc:  # noqa: BLE001 - a replay that fails part-way
+                by_name[name].status, by_name[name].reason = Status.ERROR, f"failed while being timed: {_short(exc)}"
+                del samplers[name]
+                continue
+            if keep:
+                samples[name].append(value)
+
+    if sampling.settle_ms and samplers:  # bring the GPU to its steady clock with every contestant running
+        end = time.perf_counter() + sampling.settle_ms / 1000
+        while samplers and time.perf_counter() < end:
+            one_round(keep=False)
+    for _ in range(opts.rounds or sampling.final_rounds):
+        one_round(keep=True)
+    for name in samplers:
+        by_name[name].status = Status.OK
+        by_name[name].quantiles = stats.Quantiles.of(samples[name])
+
+
+def bench_target(target: Target, backend: str, cache: Cache, peaks: Peaks, opts: BenchOptions,
+                 emit: Events) -> TargetResult:
+    import torch
+
+    t0 = time.monotonic()
+    opmod = ops.get(target.op).module
+    spec = target.spec
+    res = TargetResult(target)
+    res.model = roofline_model(opmod, spec, peaks)
+    res.contestants = _contestants(target, backend, Path(cache.path).parent / "kernels-src", opts)
+    sync = torch.cuda.synchronize if backend == "cuda" else (lambda: None)
+    emit("validating", target=target, contestants=[c.name for c in res.contestants if c.status == Status.PENDING])
+    _validate(res.contestants, opmod, spec, opts.seed, sync)
+    emit("timing", target=target, contestants=[c.name for c in res.contestants if c.status == Status.PENDING])
+    _time(res.contestants, opmod, spec, backend, opts, engine.SAMPLING[backend])
+    eager = res.contestant("eager")
+    for c in res.contestants:
+        if c.quantiles is None:
+            continue
+        c.speedup = stats.speedup(c.quantiles, eager.quantiles if eager else None)
+        c.roofline = roofline_pct(res.model, c.quantiles.p50, peaks, spec.dtype)
+    if backend == "cuda":
+        torch.cuda.empty_cache()
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def run_bench(targets: list[Target], *, backend: str, cache: Cache, options: BenchOptions | None = None,
+              events: Events | None = None) -> BenchReport:
+    """Bench every target that has a cached decision (the others are reported with their error)."""
+    opts = options or BenchOptions()
+    emit = events or (lambda *a, **k: None)
+    prepare_backend(backend)
+    t0 = time.monotonic()
+    env = collect_env(backend)
+    results: list[TargetResult] = []
+    peaks = None
+    with device_lock(engine.device_id(env), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
+        if any(t.entry is not None for t in targets) or (not targets and opts.remeasure_peaks):
+            peaks = device_peaks(backend, Path(cache.path).parent, opts.remeasure_peaks, emit)
+        for n, t in enumerate(targets):
+            emit("target", index=n, total=len(targets), target=t)
+            if t.entry is None:
+                results.append(TargetResult(t))
+                continue
+            results.append(bench_target(t, backend, cache, peaks, opts, emit))
+    return BenchReport(backend=backend, env=env, cache_path=str(cache.path), peaks=peaks, results=results,
+                       options=opts, seconds=time.monotonic() - t0)
+
