@@ -109,6 +109,32 @@ def env_diff(stored: dict[str, Any], here: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(stored) | set(here) if stored.get(k) != here.get(k))
 
 
+def machine_envs() -> dict[str, list[dict[str, Any]]]:
+    """backend -> the environment fingerprints (without "templates") this machine has for it: one for the
+    interpreter, one per visible GPU."""
+
+    envs: dict[str, list[dict[str, Any]]] = {"interpreter": []}
+    try:
+        envs["interpreter"].append(collect_env("interpreter"))
+    except Exception:  # noqa: BLE001 - no torch: nothing can be served here
+        envs["interpreter"] = []
+    envs["cuda"] = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            envs["cuda"] = [collect_env("cuda", i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001
+        pass
+    return envs
+
+
+def made_here(env: dict[str, Any], envs: dict[str, list[dict[str, Any]]]) -> bool:
+    """Whether `env` (an entry's, templates aside) is one of this machine's (`forge cache prune --env`)."""
+    bare = {k: v for k, v in env.items() if k != "templates"}
+    return any(bare == mine for mine in envs.get(env.get("backend"), []))
+
+
 # -- may a stored entry be loaded? ------------------------------------------------------------------
 #
 # A cache entry (the local DB, a bundle, a merged DB) is untrusted input: its source is imported and run.

@@ -107,3 +107,60 @@ def test_a_full_disk_is_named_and_leaves_nothing_behind(tmp_path):
                 for i in range(200):
                     c.put(make_entry(make_key(f"more-{i}-{uuid.uuid4()}")))
             assert "mv " not in str(exc.value)
+
+
+def test_an_import_replaces_a_damaged_row_whatever_its_date(tmp_path):
+    path = tmp_path / "forge.db"
+    entry = make_entry(make_key("damaged"))
+    with Cache(path) as c:
+        c.put(entry)
+    raw = sqlite3.connect(path)
+    raw.execute("UPDATE entries SET candidates = '{not json', created_at = ? WHERE key = ?",
+                (entry.created_at + 1e6, entry.key))
+    raw.commit()
+    raw.close()
+    with Cache(path) as c:
+        with pytest.raises(CacheError, match="damaged"):
+            c.get(entry.key)
+        assert c.put_newer([entry]) == ["replaced"]  # older than the damaged row's date, still replaces it
+        assert c.get(entry.key) == entry
+        assert c.put_newer([entry]) == ["kept"]  # a readable row of the same date is kept
+
+
+def test_every_reader_works_on_a_read_only_mount(tmp_path):
+    """cache ls and export, a search cache hit, merge from it, the shim and forge.load (issue 12, item 12)."""
+    import json
+
+    import torch
+    from typer.testing import CliRunner
+
+    import forge
+    from forge_cli import cli
+    from tests.test_export import kernel_entry
+
+    entry = kernel_entry("softmax", (3, 40), "float32")
+    with tmpfs(tmp_path / "mnt") as mnt:
+        path = mnt / "forge.db"
+        with Cache(path) as c:
+            c.put(entry)
+        _remount_read_only(mnt)
+        before = {p.name: _sha(p) for p in mnt.iterdir()}
+        run = CliRunner().invoke
+        res = run(cli.app, ["cache", "ls", "--cache", str(path), "--json"])
+        assert res.exit_code == 0 and [r["key"] for r in json.loads(res.stdout)] == [entry.key], res.output
+        res = run(cli.app, ["cache", "export", str(tmp_path / "b.json"), "--cache", str(path)])
+        assert res.exit_code == 0 and (tmp_path / "b.json").is_file(), res.output
+        res = run(cli.app, ["search", "softmax", "--shape", "3x40", "--dtype", "float32", "--device", "cpu",
+                            "--cache", str(path), "--json"])
+        assert res.exit_code == 0 and json.loads(res.stdout)["cache_hit"], res.output
+        res = run(cli.app, ["cache", "merge", str(path), "--cache", str(tmp_path / "dst.db"), "--json"])
+        assert res.exit_code == 0 and json.loads(res.stdout)["added"] == [entry.key], res.output
+        x = torch.randn(3, 40)
+        fn = forge.optimize(lambda t: torch.softmax(t, dim=-1), interpreter=True, cache=path, search=False)
+        assert forge.explain(fn, x).uses == "kernel"
+        torch.testing.assert_close(fn(x), torch.softmax(x, dim=-1))
+        kernel = forge.load("softmax", (3, 40), "float32", device="cpu", cache=str(path))
+        torch.testing.assert_close(kernel(x), torch.softmax(x, dim=-1))
+        res = run(cli.app, ["cache", "rm", "--all", "--cache", str(path)])
+        assert res.exit_code == 5 and "read-only" in res.output
+        assert {p.name: _sha(p) for p in mnt.iterdir()} == before  # nothing written

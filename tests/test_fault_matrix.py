@@ -220,3 +220,15 @@ def test_a_long_error_message_is_not_wrapped_on_stderr(tmp_path):
     assert out.returncode == 5
     advice = [line for line in out.stderr.splitlines() if "mv " in line]
     assert len(advice) == 1 and f"{bad}.bak" in advice[0], out.stderr  # the command on one line, whole
+
+
+def test_an_eager_baseline_out_of_memory_is_exit_3_with_the_footprint(tmp_path, fault_ops):
+    from typer.testing import CliRunner
+
+    from forge_cli import cli
+
+    res = CliRunner().invoke(cli.app, ["search", "hungry", "--shape", "4x8", "--dtype", "float32", "--device", "cpu",
+                                       "--budget", "1", "--workers", "1", "--cache", str(tmp_path / "f.db")])
+    assert res.exit_code == ExitCode.ENVIRONMENT, res.output
+    text = " ".join(res.output.split())
+    assert "ran out of memory" in text and "its inputs take" in text and "fewer --workers" in text

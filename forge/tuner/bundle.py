@@ -327,32 +327,6 @@ def _utc(t: float) -> str:
         return f"{t:.6g} (unix time)"
 
 
-def this_machine_envs() -> dict[str, list[dict[str, Any]]]:
-    """backend -> the environment fingerprints (without "templates") this machine has for it."""
-    from forge.env import collect_env
-
-    envs: dict[str, list[dict[str, Any]]] = {"interpreter": []}
-    try:
-        envs["interpreter"].append(collect_env("interpreter"))
-    except Exception:  # noqa: BLE001 - no torch: nothing can be served here
-        envs["interpreter"] = []
-    envs["cuda"] = []
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            envs["cuda"] = [collect_env("cuda", i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001
-        pass
-    return envs
-
-
-def same_environment(env: dict[str, Any], envs: dict[str, list[dict[str, Any]]]) -> bool:
-    """Whether `env` (an entry's, templates aside) is one of this machine's."""
-    bare = {k: v for k, v in env.items() if k != "templates"}
-    return any(bare == mine for mine in envs.get(env.get("backend"), []))
-
-
 # -- importing --------------------------------------------------------------------------------------
 
 @dataclass
@@ -412,7 +386,7 @@ def import_entries(cache: Cache, raws: list[tuple[str, Any]], *, trust: bool, so
             report.trusted.append({"key": entry.key, "op": entry.op, "reason": unverified, "from": origin})
         accepted.append(dataclasses.replace(entry, forge_version=keys.imported_version(entry.forge_version)))
     if accepted:
-        envs = this_machine_envs()
+        envs = keys.machine_envs()
         stored_at: dict[str, float | None] = {}
         for key in {e.key for e in accepted}:
             stored = cache.get(key)
@@ -441,7 +415,7 @@ def import_entries(cache: Cache, raws: list[tuple[str, Any]], *, trust: bool, so
                 outcome = "replaced"
             if rank[outcome] > rank[final.get(entry.key, "kept")] or entry.key not in final:
                 final[entry.key] = outcome
-            if not same_environment(entry.env, envs):
+            if not keys.made_here(entry.env, envs):
                 report.other_env.append(entry.key)
         for key, outcome in final.items():
             getattr(report, outcome).append(key)
@@ -461,12 +435,12 @@ def prune_reasons(entries: list[Entry], *, env: bool, stale: bool, older_than_da
     from forge import ops
 
     now = time.time() if now is None else now
-    envs = this_machine_envs() if env else {}
+    envs = keys.machine_envs() if env else {}
     hashes: dict[str, str | None] = {}
     out = []
     for e in entries:
         reasons = []
-        if env and not same_environment(e.env, envs):
+        if env and not keys.made_here(e.env, envs):
             reasons.append(f"other environment ({e.env.get('backend')}: {e.env.get('gpu') or e.env.get('cpu')}, "
                            f"torch {e.env.get('torch')}, triton {e.env.get('triton')})")
         if stale:

@@ -347,6 +347,13 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 reply = pool.call({"cmd": "time", "paths": [], "baseline": True,
                                    "reps": sampling.screen_reps, "settle_ms": sampling.settle_ms},
                                   opts.timeout)
+                if reply["status"] == Status.OOM:
+                    have, what = device_memory(backend, gpu)
+                    need = sum(t.nbytes for t in spec.inputs)
+                    raise EnvironmentProblem(
+                        f"timing the eager baseline ran out of memory ({reply.get('reason')}): its inputs take "
+                        f"{_gib(need)} per set of {what} ({_gib(have)}), with {size} worker(s) sharing it; "
+                        "try fewer --workers or a smaller shape")
                 if reply["status"] != Status.OK:
                     raise EnvironmentProblem(f"timing the eager baseline failed: {reply.get('reason')}")
                 baseline = stats.Quantiles.of(reply["samples"]["eager"])

@@ -18,6 +18,7 @@ class Status(StrEnum):
     TIMEOUT = "timeout"  # no answer in time; its worker was killed
     CRASHED = "crashed"  # its worker died (segfault, exit)
     CUDA_ERROR = "cuda-error"  # left the CUDA context unusable; its worker was replaced
+    OOM = "oom"  # ran out of (device or host) memory; its worker was replaced
     # forge bench contestants and --recheck entries
     REFUSED = "refused"  # not loaded: its source fails the integrity check
     SKIPPED = "skipped"  # not run, with the reason (--skip, an eager decision, another environment)
@@ -29,6 +30,6 @@ class Status(StrEnum):
 
 # What a candidate can fail with: each is recorded with its reason, the search goes on.
 CANDIDATE_FAILURES = frozenset({Status.MISMATCH, Status.COMPILE_ERROR, Status.ERROR, Status.TIMEOUT,
-                                Status.CRASHED, Status.CUDA_ERROR})
+                                Status.CRASHED, Status.CUDA_ERROR, Status.OOM})
 # A cached kernel that must not be trusted any more (forge bench --recheck exits 5).
 RECHECK_INVALID = frozenset({Status.INVALID, Status.SHA256_MISMATCH})

@@ -49,6 +49,23 @@ def _short(exc: BaseException, limit: int = 600) -> str:
 READY, INTERNAL = "ready", "internal"
 
 
+def _is_oom(exc: BaseException | None) -> bool:
+    """Out of host or device memory: MemoryError, torch.OutOfMemoryError (CUDA), or the CPU allocator's
+    RuntimeError, itself or as the cause of what was raised (timing wraps failures in CandidateRaised)."""
+    while exc is not None:
+        text = str(exc).lower()
+        if (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+                or (isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def _oom_reply(exc: BaseException) -> dict:
+    # The worker exits after replying: a fresh one does not carry the fragmented allocator.
+    return {"status": Status.OOM, "reason": f"out of memory: {_short(exc)}", "poisoned": True}
+
+
 class Session:
     def __init__(self, backend: str):
         self.backend = backend
@@ -98,6 +115,8 @@ class Session:
         return {"status": Status.OK}
 
     def _failure(self, exc: BaseException) -> dict:
+        if _is_oom(exc):
+            return _oom_reply(exc)
         if _is_cuda_error(exc):
             return {"status": Status.CUDA_ERROR, "reason": _short(exc), "poisoned": True}
         if _is_compile_error(exc):
@@ -171,7 +190,9 @@ def main(conn, backend: str) -> None:
         try:
             reply = handlers[msg["cmd"]](msg)
         except Exception as exc:  # noqa: BLE001 - forge's own failure: report it with the traceback
-            if _is_cuda_error(exc):
+            if _is_oom(exc):  # allocating inputs, outputs or the oracle: an outcome, not a bug in forge
+                reply = _oom_reply(exc)
+            elif _is_cuda_error(exc):
                 reply = {"status": Status.CUDA_ERROR, "reason": _short(exc), "poisoned": True}
             else:
                 reply = {"status": INTERNAL, "reason": traceback.format_exc()}

@@ -23,6 +23,7 @@ EXPECTED = {
     "hang": "timeout",           # never returns
     "exit": "crashed",           # os._exit(3) in the worker
     "segfault": "crashed",       # reads address 0
+    "oom": "oom",                # runs out of memory (the worker is replaced)
     "oob": "cuda-error",         # illegal address on the GPU (cuda only)
 }
 TEMPLATES = {v: "faulty.j2" for v in EXPECTED}
