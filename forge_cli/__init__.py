@@ -1,1 +1,1 @@
-"""forge command line and tuning engine."""
+"""forge command line: Typer + Rich over the tuner library (forge.tuner); see forge_cli/cli.py."""

@@ -81,4 +81,4 @@ def check_settings(values: dict[str, Any], names: Iterable[str], *, name_flags: 
     raw ones); `name_flags` names the flag (--dtype) in the error message."""
     for name in names:
         if values[name] is not None:
-            values[name] = manifest_mod._check(name, values[name], f"--{name}" if name_flags else None)
+            values[name] = manifest_mod.check_setting(name, values[name], f"--{name}" if name_flags else None)

@@ -139,3 +139,29 @@ def test_a_spec_forge_does_not_build_is_refused(tmp_path):
         forge.search(odd, cache=tmp_path / "forge.db")
     with pytest.raises(UsageError, match="device='cuda' but the KernelSpec's tensors are on 'cpu'"):
         forge.search(spec, device="cuda", cache=tmp_path / "forge.db")
+
+
+def test_the_public_search_api_searches_and_loads_no_cli(tmp_path):
+    """forge.search runs a real search (interpreter, budget 2) in a process that never imports Typer or
+    Rich, and a second call is a cache hit of the same key."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = f"""
+import json, sys, forge
+r = forge.search("softmax", (2, 8), "float32", device="cpu", budget=2, cache={str(tmp_path / "f.db")!r})
+again = forge.search("softmax", (2, 8), "float32", device="cpu", budget=2, cache={str(tmp_path / "f.db")!r})
+print(json.dumps({{"decision": r.decision, "key": r.key, "n": len(r.candidates), "hit": again.cache_hit,
+                  "same": again.key == r.key,
+                  "cli": sorted(m for m in sys.modules if m.split(".")[0] in ("typer", "rich", "forge_cli"))}}))
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["decision"] in ("kernel", "eager") and len(doc["key"]) == 64 and doc["n"] == 2
+    assert doc["hit"] and doc["same"] and doc["cli"] == []

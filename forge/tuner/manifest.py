@@ -94,7 +94,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check(name: str, v: Any, where: str | None) -> Any:
+def check_setting(name: str, v: Any, where: str | None) -> Any:
     """v if it is a valid value of setting `name`, else ManifestError; where=None: a command-line option."""
     enumerated = name in ("device", "dtype", "strategy")
 
@@ -145,7 +145,7 @@ def _from_env(name: str, env: Mapping[str, str]) -> Any:
         except ValueError:
             raise UsageError(f"environment variable {var}={raw!r}: expected a number") from None
     try:
-        return _check(name, value, f"environment variable {var}")
+        return check_setting(name, value, f"environment variable {var}")
     except ManifestError as exc:
         raise UsageError(str(exc)) from None
 
@@ -191,9 +191,9 @@ def _dtypes(entry: dict, where: str) -> list[str | None]:
         raw = entry["dtypes"]
         if not isinstance(raw, list) or not raw:
             raise ManifestError(f"{where}: field 'dtypes': expected a non-empty list, got {shown(raw)}")
-        return [_check("dtype", d, where) for d in raw]
+        return [check_setting("dtype", d, where) for d in raw]
     if "dtype" in entry:
-        return [_check("dtype", entry["dtype"], where)]
+        return [check_setting("dtype", entry["dtype"], where)]
     return [None]  # resolved later (environment, [defaults], built-in)
 
 
@@ -227,7 +227,7 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
     if bad:
         raise ManifestError(f"{where_d}: unknown field(s) {', '.join(shown(b, 40) for b in bad[:10])}; known: "
                             f"{', '.join(sorted([*BUILTIN, 'cache']))}")
-    defaults = {k: _check(k, v, where_d) for k, v in defaults.items()}
+    defaults = {k: check_setting(k, v, where_d) for k, v in defaults.items()}
     entries = doc.get("op", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ManifestError(f"{path}: 'op' must be an array of tables ([[op]] entries)")
@@ -269,7 +269,7 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
             except ValueError as exc:
                 raise ManifestError(f"{where}: field '{k}': {exc}") from None
             attrs[k] = v
-        own = {k: _check(k, entry[k], where) for k in PER_ENTRY if k in entry and k != "dtype"}
+        own = {k: check_setting(k, entry[k], where) for k in PER_ENTRY if k in entry and k != "dtype"}
         # An override (--dtype, FORGE_DTYPE) replaces the entry's dtype list by that one dtype.
         dtypes = list(dict.fromkeys(resolve("dtype", cli, env, {"dtype": dt}, defaults)
                                     for dt in _dtypes(entry, where)))
