@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
-# The tests also need the dev tools and Ray (the --executor ray tests start a local Ray).
+# The tests also need the dev tools, Ray (the --executor ray tests start a local Ray) and transformers
+# (tests/test_trace_capture.py builds tiny Hugging Face models from configs).
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,ray]'
+	$(PY) -m pip install -q -e '.[dev,ray,hf]'
 	touch $@
 
 demo: $(STAMP)

@@ -130,7 +130,10 @@ def random_tensor(shape, dtype: str, device: str, gen, distribution: str, *, bas
     elif distribution == "outliers":
         u = torch.rand(shape, generator=gen, dtype=torch.float32, device=dev)
         big = 1e3 if dtype == "float16" else 1e4
-        x = torch.where(u < 1e-3, big, torch.where(u > 1 - 1e-3, -big, x))
+        # In place (torch.where would hold two more float32 copies at once): x, u and one mask at a time.
+        x.masked_fill_(u > 1 - 1e-3, -big)
+        x.masked_fill_(u < 1e-3, big)
+        del u
     if base:
         x += base
     return x.to(torch_dtype(dtype))
@@ -342,3 +345,105 @@ def elementwise_test_candidates(spec: Any) -> list[Candidate]:
         Candidate.make("persistent", BLOCK=max(256, n2 // 16), num_warps=2, PROGRAMS_PER_SM=1, num_stages=1),
         Candidate.make("persistent", BLOCK=max(256, n2 // 32), num_warps=4, PROGRAMS_PER_SM=2, num_stages=1),
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded float64 oracles. A float64 copy is 2x (fp32) to 4x (fp16, bf16) the bytes of its input, and a
+# reference formula holds a few such tensors at once, so an oracle evaluated on whole inputs needs
+# several times their size (sdpa's (B, H, Sq, Skv) scores far more). Oracles of ops whose reference
+# separates along some dims are evaluated chunk by chunk instead: a chunk's float64 working set (its
+# copies of the inputs plus the formula's temporaries) stays within oracle_budget(inputs' bytes), and
+# only the float64 result, one output-sized tensor, is whole. A chunk is never smaller than one unit
+# (a row, an element, one row of A x one column of B), so a single row larger than the budget is one
+# chunk. When everything fits in one chunk the reference runs on the whole inputs, exactly as before.
+ORACLE_MIN_CHUNK_BYTES = 64 << 20
+ORACLE_MAX_CHUNK_BYTES = 1 << 30
+# Chunk-sized float64 tensors a reference holds at once: its copies of the chunked inputs and ~3
+# temporaries (x * x, the row statistics broadcast back, the result) for the formulas in kernels/.
+ORACLE_LIVE_COPIES = 4
+ORACLE_CHUNKS = ("rows", "elements", "matmul")
+
+
+def oracle_budget(input_bytes: int) -> int:
+    """Bytes of float64 working set one oracle chunk may take: the inputs' own size, at least
+    ORACLE_MIN_CHUNK_BYTES (small problems are one chunk) and at most ORACLE_MAX_CHUNK_BYTES."""
+    return min(ORACLE_MAX_CHUNK_BYTES, max(ORACLE_MIN_CHUNK_BYTES, int(input_bytes)))
+
+
+def tensors_nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def oracle_in_chunks(fn: Callable, inputs, how: str, budget: int | None = None):
+    """fn(inputs) (a reference in float64), evaluated chunk by chunk as `how` says and assembled into one
+    tensor; equal to fn(inputs) up to float64 rounding (exactly fn(inputs) when one chunk holds it all).
+
+    how:
+      "rows"      the inputs shaped like inputs[0] are cut along their leading dims, flattened (all
+                  but the trailing dims the other inputs broadcast over: the last one for a weight of
+                  shape (N,), the last two for rope's (S, D) cos/sin); the others are passed whole to
+                  every chunk. For row ops (norms, softmax, row reductions) and broadcasts over rows.
+      "elements"  every input has inputs[0]'s shape; cut the flattened tensors (elementwise ops).
+      "matmul"    (A, B) of shapes (..., M, K) and (..., K, N): blocks of A's rows x B's columns, one
+                  batch at a time; the K reduction is never split.
+    budget: bytes of float64 working set per chunk (default oracle_budget of the inputs' bytes)."""
+    if how not in ORACLE_CHUNKS:
+        raise ValueError(f"unknown oracle chunking {how!r}; expected one of {', '.join(ORACLE_CHUNKS)}")
+    inputs = tuple(inputs)
+    budget = oracle_budget(tensors_nbytes(inputs)) if budget is None else budget
+    if how == "matmul":
+        return _matmul_chunks(fn, inputs, budget)
+    x = inputs[0]
+    shape = tuple(x.shape)
+    cut = [t is not None and tuple(t.shape) == shape for t in inputs]
+    if how == "elements":
+        if not all(cut):
+            raise ValueError("oracle chunking 'elements' needs inputs of one shape")
+        lead = len(shape)
+    else:
+        trailing = max([1] + [t.dim() for t, c in zip(inputs, cut, strict=True) if t is not None and not c])
+        lead = max(0, len(shape) - trailing)
+    rows = 1
+    for s in shape[:lead]:
+        rows *= s
+    row_elems = sum(t.numel() for t, c in zip(inputs, cut, strict=True) if c) // max(rows, 1)
+    per_chunk = max(1, budget // (ORACLE_LIVE_COPIES * 8 * max(row_elems, 1)))
+    if rows <= per_chunk:
+        return fn(inputs)
+    flat = [t.reshape(rows, *t.shape[lead:]) if c else t for t, c in zip(inputs, cut, strict=True)]
+    result = None
+    for r0 in range(0, rows, per_chunk):
+        r1 = min(rows, r0 + per_chunk)
+        part = fn(tuple(t[r0:r1] if c else t for t, c in zip(flat, cut, strict=True)))
+        if result is None:
+            result = part.new_empty((rows, *part.shape[1:]))
+        result[r0:r1] = part
+        del part
+    return result.reshape(*shape[:lead], *result.shape[1:])
+
+
+def _matmul_chunks(fn: Callable, inputs, budget: int):
+    a, b = inputs
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch = tuple(a.shape[:-2])
+    nb_total = 1
+    for s in batch:
+        nb_total *= s
+    elems = max(1, budget // 8)
+    # One block: float64 A rows (mb x K), B columns (K x nb) and their product (mb x nb).
+    if nb_total * (m * k + k * n + m * n) <= elems:
+        return fn(inputs)
+    nb = n if k * n <= elems // 2 else max(1, (elems // 2) // k)
+    mb = max(1, min(m, (elems - k * nb) // (k + nb)))
+    a3, b3 = a.reshape(nb_total, m, k), b.reshape(nb_total, k, n)
+    result = None
+    for i in range(nb_total):
+        for n0 in range(0, n, nb):
+            for m0 in range(0, m, mb):
+                part = fn((a3[i, m0:m0 + mb], b3[i, :, n0:n0 + nb]))
+                if result is None:
+                    result = part.new_empty((nb_total, m, n))
+                result[i, m0:m0 + mb, n0:n0 + nb] = part
+                del part
+    return result.reshape(*batch, m, n)

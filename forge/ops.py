@@ -43,10 +43,19 @@ _PKG = Path(__file__).resolve().parent
 #                                           ones); default: none left out, tuple(inputs)
 #   oracle(inputs, attrs)                   the correctness reference; default: reference() run on float64
 #                                           copies of the floating-point inputs (integer inputs, such as
-#                                           class indices, as they are). Ops override it where that is not
-#                                           the best answer: rounded once to the output dtype (gelu, silu_mul,
-#                                           reduce), inf where the output dtype overflows (cross_entropy),
-#                                           written out apart from torch's dispatch (sdpa)
+#                                           class indices, as they are), chunk by chunk as ORACLE_CHUNK says.
+#                                           Ops override it where that is not the best answer: rounded once
+#                                           to the output dtype (gelu, silu_mul, reduce), inf where the output
+#                                           dtype overflows (cross_entropy), written out apart from torch's
+#                                           dispatch (sdpa); their own oracles bound their memory likewise
+#
+# Optional declarations, read where present:
+#   ORACLE_CHUNK = "rows" | "elements" | "matmul"   how the default oracle may cut the inputs so that its
+#                                            float64 working set stays bounded (opkit.oracle_in_chunks: rows
+#                                            over the leading dims for row and broadcast ops, the flattened
+#                                            elements for elementwise ops, blocks of A's rows x B's columns
+#                                            for matmul). Absent: the reference runs on the whole inputs (an
+#                                            op whose reference mixes rows, e.g. a mean over all of them)
 #   tolerance(dtype) -> opkit.Tolerance     default: opkit.ROW_TOLERANCE[dtype] (the output's rounding plus
 #                                           a few fp32 ulp)
 #
@@ -74,15 +83,22 @@ def default_tolerance(dtype: str) -> opkit.Tolerance:
     return opkit.ROW_TOLERANCE[dtype]
 
 
-def default_oracle(reference: Callable, inputs, attrs):
+def default_oracle(reference: Callable, inputs, attrs, chunk: str | None = None):
     """The contract's default oracle: `reference` on float64 copies of the floating-point inputs (the
-    others, e.g. int64 class indices, are passed as they are)."""
-    return reference(tuple(t.double() if t.is_floating_point() else t for t in inputs), attrs)
+    others, e.g. int64 class indices, are passed as they are). chunk (the op's ORACLE_CHUNK): evaluated
+    chunk by chunk (opkit.oracle_in_chunks), so that only the float64 result is whole."""
+    def in_float64(part):
+        return reference(tuple(t.double() if t.is_floating_point() else t for t in part), attrs)
+
+    if chunk is None:
+        return in_float64(inputs)
+    return opkit.oracle_in_chunks(in_float64, inputs, chunk)
 
 
 def _bound_oracle(mod: ModuleType) -> Callable:
     def oracle(inputs, attrs):
-        return default_oracle(mod.reference, inputs, attrs)  # looked up per call: a patched reference holds
+        # looked up per call: a patched reference (or ORACLE_CHUNK) holds
+        return default_oracle(mod.reference, inputs, attrs, getattr(mod, "ORACLE_CHUNK", None))
 
     oracle.__doc__ = default_oracle.__doc__
     return oracle
@@ -162,6 +178,9 @@ def _load(path: Path, template_dir: Path) -> OpFamily:
     for variant, tmpl in mod.TEMPLATES.items():
         if not (template_dir / tmpl).is_file():
             raise TypeError(f"op {mod.NAME}: template {tmpl} for variant {variant!r} not in {template_dir}")
+    chunk = getattr(mod, "ORACLE_CHUNK", None)
+    if chunk is not None and chunk not in opkit.ORACLE_CHUNKS:
+        raise TypeError(f"op {mod.NAME}: ORACLE_CHUNK={chunk!r}; expected one of {', '.join(opkit.ORACLE_CHUNKS)}")
     _install_defaults(mod)
     return OpFamily(mod.NAME, mod, path, template_dir)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from forge import key as keys
 from forge.cache import Cache, CacheError, default_cache_path
+from forge.errors import ForgeError
 from forge.loader import load_module, write_source
 from forge.spec import DTYPES, dtype_name
 
@@ -446,6 +447,8 @@ class Optimized:
                 entry = cache.get(key)
         except CacheError as exc:
             return eager(f"cache unusable: {exc}", op=op.name, key=key)
+        except ForgeError as exc:  # the search could not run here (out of memory, no workers): eager, never a crash
+            return eager(f"search failed: {exc}", op=op.name, key=key)
         if entry is None:
             why = ("searching is off (FORGE_SEARCH=0 or search=False)" if not _search_enabled(self.search)
                    else "would search")

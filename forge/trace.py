@@ -1,11 +1,15 @@
-"""Trace a user function (or an nn.Module) with torch.fx and reduce it to a canonical expression tree
-that op-family matchers (`match()` in kernels/<op>.py) can recognise whatever the spelling.
+"""Reduce a traced function, module or captured graph to canonical expression trees that op-family
+matchers (`match()` in kernels/<op>.py) can recognise whatever the spelling.
 
-The trace is made once per call signature with the actual arguments: non-tensor arguments are
-bound as constants (so `eps` is a number in the graph), and the graph is run once through
-`torch.fx.Interpreter` so every node's real value is known. Values that are not tensors (shapes,
-sizes, `x.shape[-1]`) fold into constants; `dim` arguments are normalised to negative indices with
-the real ndim (so dim=1 of a 2-D tensor and dim=-1 are the same tree).
+Two ways in, one representation (`TraceGraph`: an fx GraphModule and the real value of every node):
+  TraceGraph(fn, args, kwargs)         the shim (`@forge.optimize`): torch.fx symbolic trace of one call;
+                                       non-tensor arguments are bound as constants (`eps` is a number)
+  TraceGraph.from_graph(gm, inputs)    `forge trace`: a graph TorchDynamo captured, with its real inputs
+                                       (module parameters arrive as inputs)
+Either way the graph is run once through `torch.fx.Interpreter` so every node's real value is known:
+values that are not tensors (shapes, sizes, `x.shape[-1]`) fold into constants; `dim` arguments are
+normalised to negative indices with the real ndim (so dim=1 of a 2-D tensor and dim=-1 are the same
+tree); layout and casts are read from the real input and output (shape, strides, dtype).
 
 Tensor inputs are numbered: the function's tensor arguments first (parameter order), then, in order
 of first use, the module parameters and buffers it reads (`Traced.params` says how to fetch them).
@@ -17,7 +21,7 @@ Canonical forms (every node is a tuple):
   ("add", a, b, ...)      n-ary, sorted
   ("sub", a, b)
   ("recip", a) ("sqrt", a) ("rsqrt", a) ("exp", a) ("neg", a) ("erf", a) ("tanh", a) ("sigmoid", a)
-                          unary ops; recip(sqrt(a)) == rsqrt(a); x**2 == mul(x, x)
+                          unary ops; recip(sqrt(a)) == rsqrt(a); x**2 == mul(x, x), also torch.pow(x, 3.0)
   ("mean_last", a)        mean over the last dim with keepdim=True
   ("softmax_last", a) ("log_softmax_last", a)
   ("rms_norm", x, w | ("none",), eps)
@@ -25,16 +29,41 @@ Canonical forms (every node is a tuple):
   and defaults filled in, whatever was passed positionally or by keyword (aliases fold: mm, bmm and
   @ are "matmul"; concat is "cat"; F.scaled_dot_product_attention is "sdpa"):
   ("layer_norm", x, normalized_shape, weight, bias, eps)   also nn.LayerNorm
-  ("gelu", x, approximate)            also nn.GELU
+  ("gelu", x, approximate)            also nn.GELU, torch._C._nn.gelu
   ("silu", x, inplace)                also nn.SiLU
-  ("sdpa", q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+  ("sdpa", q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)   Hugging Face's sdpa calls
+                                      (is_causal, scale, enable_gqa by keyword) included
   ("matmul", a, b)
+  ("linear", x, weight, bias)         F.linear, torch._C._nn.linear, nn.Linear (weight stored (out, in))
+  ("addmm", bias, mat1, mat2, beta, alpha)   torch.addmm (GPT-2's Conv1D: weight stored (in, out))
   ("cross_entropy", input, target, weight, size_average, ignore_index, reduce, reduction,
                     label_smoothing)   also nn.CrossEntropyLoss
   ("sum", x, dim, keepdim, dtype) ("mean", ...) ("amax", x, dim, keepdim) ("argmax", x, dim, keepdim)
                                       a one-element dim list becomes an int for sum/mean/amax
   ("cat", (t, t, ...), dim) ("getitem", x, index) ("chunk", x, chunks, dim) ("split", x, size, dim)
-  ("opaque", description) anything else; a matcher never matches through it
+  Layout (read from the real tensors; a matcher never looks through them, so a region is cut there):
+  ("view", x, shape)      view, reshape, view_as, reshape_as, flatten, unflatten, unsqueeze, squeeze, and
+                          indexing with only full slices / None / ...; a view of a view is one view;
+                          a view to x's own shape is x
+  ("permute", x, perm)    permute, transpose, swapaxes/swapdims, t; composed; the identity is x
+  ("expand", x, shape)    expand, expand_as, broadcast_to; to x's own shape it is x
+  ("contiguous", x)       x.contiguous() of a non-contiguous x (of a contiguous one: x itself)
+  split and chunk are the calls above; F.dropout / nn.Dropout in eval (training=False) is x
+  Casts (exact numerics):
+  ("cast", x, dtype)      .to(dtype), .float(), .half(), .bfloat16(), .double(), .type(dtype),
+                          .type_as(t): the dtype is the result's; a cast to x's own dtype (or a device
+                          move) is x; a widening round trip (fp16 -> fp32 -> fp16) is x
+                          At the root of an expression only, a cast down to float16/bfloat16 of a value
+                          computed entirely in float32 from inputs of that dtype (every intermediate
+                          float32, the inputs entering through exact widening casts or type promotion;
+                          no sdpa inside) is that computation on the inputs: it is what forge's kernels
+                          compute (load, fp32 arithmetic, one rounding at the store). Anywhere else a
+                          cast stays: HF LlamaRMSNorm in half precision, weight * (x.float() * r).to(dtype),
+                          rounds twice, so rmsnorm does not match it (its inner (x.float() * r).to(dtype)
+                          is rmsnorm without a weight, exactly); in float32 every cast is a no-op.
+  ("opaque", description, node)  anything else; a matcher never matches through it. `node` is the fx
+                          node's name, so two different opaque values differ and one used twice is equal;
+                          an expression over MAX_EXPR_NODES nodes (deep residual chains) is opaque too
 """
 
 from __future__ import annotations
@@ -46,6 +75,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 UNARY = {"rsqrt", "sqrt", "exp", "neg", "reciprocal", "tanh", "sigmoid", "erf", "special_erf", "abs", "log"}
+# Layout calls (by name; function or method) and casts, canonicalised from the real tensors.
+VIEWS = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "unsqueeze", "squeeze"}
+PERMUTES = {"permute", "transpose", "swapaxes", "swapdims", "t"}
+EXPANDS = {"expand", "expand_as", "broadcast_to"}
+CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as"}
+# Heads no matcher looks into: a region is cut at nodes of these kinds (forge trace).
+BOUNDARY_HEADS = frozenset({"linear", "addmm", "matmul", "sdpa", "opaque", "view", "permute", "expand",
+                            "contiguous", "cast"})
+# Expressions larger (expanded) or deeper than this become opaque: a deep model's residual stream
+# expands exponentially, and op patterns are small and shallow.
+MAX_EXPR_NODES = 256
+MAX_EXPR_DEPTH = 64
+_HALF = ("float16", "bfloat16")
 
 _REQ = object()  # a parameter without a default
 # Functions (and methods, whose `self` is the first parameter) reduced to (name, *params in order).
@@ -61,6 +103,8 @@ SIGNATURES: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
     "matmul": ("matmul", (("input", _REQ), ("other", _REQ))),
     "mm": ("matmul", (("input", _REQ), ("mat2", _REQ))),
     "bmm": ("matmul", (("input", _REQ), ("mat2", _REQ))),
+    "linear": ("linear", (("input", _REQ), ("weight", _REQ), ("bias", None))),
+    "addmm": ("addmm", (("input", _REQ), ("mat1", _REQ), ("mat2", _REQ), ("beta", 1), ("alpha", 1))),
     "cross_entropy": ("cross_entropy", (("input", _REQ), ("target", _REQ), ("weight", None),
                                         ("size_average", None), ("ignore_index", -100), ("reduce", None),
                                         ("reduction", "mean"), ("label_smoothing", 0.0))),
@@ -124,7 +168,10 @@ def _sorted(args: list) -> tuple:
 def _flat(kind: str, args: list) -> tuple:
     out = []
     for a in args:
-        out.extend(a[1:] if a[0] == kind else [a])
+        if a[0] == kind:
+            out.extend(a[1:])
+        else:
+            out.append(a)
     return (kind, *_sorted(out))
 
 
@@ -157,6 +204,22 @@ def _neg_dim(dim: Any, ndim: int | None) -> Any:
     return dim
 
 
+def _dtype(dtype) -> str:
+    from forge.spec import dtype_name
+
+    return dtype_name(dtype)
+
+
+def _widens_exactly(src, dst) -> bool:
+    """Every value of dtype `src` is exactly representable in `dst` (a cast up that loses nothing)."""
+    return (_dtype(src), _dtype(dst)) in {("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"),
+                                          ("bfloat16", "float64"), ("float32", "float64")}
+
+
+def _is_node(t) -> bool:
+    return isinstance(t, tuple) and bool(t) and isinstance(t[0], str)
+
+
 def _trace_target(fn):
     """(root module or None, callable to trace, signature to bind the call's arguments with)."""
     import torch
@@ -172,13 +235,29 @@ def _trace_target(fn):
     return None, fn, inspect.signature(fn)
 
 
+def _record(gm, args: list) -> tuple[dict, Any]:
+    """Run `gm` once through fx.Interpreter on `args`: (every node's value, the graph's output)."""
+    import torch
+    import torch.fx as fx
+
+    values: dict = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            values[n] = super().run_node(n)
+            return values[n]
+
+    with torch.no_grad():
+        out = Recorder(gm).run(*args)
+    return values, out
+
+
 class TraceGraph:
-    """A traced function/module and the real value of every node, from one run on the call's arguments."""
+    """A traced function/module (or a captured graph) and the real value of every node, from one run."""
 
     def __init__(self, fn, args: tuple, kwargs: dict):
         import torch
         import torch.fx as fx
-
 
         root, target, sig = _trace_target(fn)
         try:
@@ -199,12 +278,6 @@ class TraceGraph:
             gm = fx.GraphModule(tracer.root, graph)
         except Exception as exc:  # noqa: BLE001 - fx raises many types for untraceable code
             raise Untraceable(f"torch.fx could not trace it: {type(exc).__name__}: {exc}") from None
-        values: dict = {}
-
-        class Recorder(fx.Interpreter):
-            def run_node(self, n):
-                values[n] = super().run_node(n)
-                return values[n]
 
         # Placeholders come in parameter order; concrete (non-tensor) ones are re-passed their value.
         params = list(sig.parameters)
@@ -212,25 +285,78 @@ class TraceGraph:
         if len(placeholders) != len(params):
             raise Untraceable("functions with *args/**kwargs are not traced")
         try:
-            with torch.no_grad():
-                Recorder(gm).run(*(bound.arguments[p] for p in params))
+            values, _ = _record(gm, [bound.arguments[p] for p in params])
         except Exception as exc:  # noqa: BLE001 - the user's code failed on its own arguments
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise Untraceable(f"running the traced graph failed: {type(exc).__name__}: {first_line}") from None
+        self._setup(root, gm, values, sig, placeholders, params, tensors)
+
+    @classmethod
+    def from_graph(cls, gm, example_inputs) -> TraceGraph:
+        """A graph captured elsewhere (TorchDynamo hands a backend the GraphModule and its real inputs,
+        module parameters among them), run once on those inputs to record every node's value; the
+        graph's output is `.output`. Its placeholders are its arguments, in order."""
+        import torch
+
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        args = list(example_inputs)
+        if len(args) != len(placeholders):
+            raise Untraceable(f"the graph takes {len(placeholders)} inputs, {len(args)} were given")
+        values, out = _record(gm, args)
+        self = cls.__new__(cls)
+        params = [p.name for p in placeholders]
+        tensors = [(p, v) for p, v in zip(params, args, strict=True) if isinstance(v, torch.Tensor)]
+        self._setup(gm, gm, values, None, placeholders, params, tensors)
+        self.output = out
+        return self
+
+    def _setup(self, root, gm, values, sig, placeholders, params, tensors) -> None:
+        import torch
+        import torch.fx as fx
 
         self.fx, self.torch = fx, torch
         self.root, self.gm, self.values, self.sig = root, gm, values, sig
         self.placeholders, self.params, self.tensors = placeholders, params, tensors
+        self.output = None
 
     def output_node(self):
         out = [n for n in self.gm.graph.nodes if n.op == "output"][0]
         return out.args[0]
 
+    def upcast_source(self, n):
+        """The node `n` casts up from exactly (x in x.float() of a half x), else None."""
+        torch = self.torch
+        if not isinstance(n, self.fx.Node) or n.op not in ("call_method", "call_function") or _name(n) not in CASTS:
+            return None
+        src = n.args[0] if n.args else None
+        v, s = self.values.get(n), self.values.get(src) if isinstance(src, self.fx.Node) else None
+        if isinstance(v, torch.Tensor) and isinstance(s, torch.Tensor) and _widens_exactly(s.dtype, v.dtype):
+            return src
+        return None
+
+    def heads(self) -> dict:
+        """Each call node's own kind: its canonical head with every other call as a leaf ("input" for a
+        node that passes its input through: a no-op cast, an identity view, dropout in eval)."""
+        calls = frozenset(n for n in self.gm.graph.nodes if n.op.startswith("call_"))
+        return {n: self.expr(n, cut=calls, number_args=False).expr[0] for n in calls}
+
+    def bounded(self) -> set:
+        """The call nodes whose whole tree, down to the graph's inputs, is within MAX_EXPR_NODES (so
+        matching it with no cut can succeed): one pass in graph order, every tree built once."""
+        calls = [n for n in self.gm.graph.nodes if n.op.startswith("call_")]
+        return {n for n, t in zip(calls, self.exprs(calls), strict=True) if not _capped(t.expr)}
+
     def expr(self, at, cut=frozenset(), number_args: bool = True) -> Traced:
-        """The canonical tree of node `at`. Nodes in `cut` are leaves (numbered inputs), as are the
-        function's tensor arguments and module parameters. number_args: the function's tensor
-        arguments are inputs 0..k-1 in parameter order (the shim's numbering); else leaves are
-        numbered in order of first use (matching a region of a larger graph)."""
+        """The canonical tree of node `at`. Nodes in `cut` (other than `at`) are leaves (numbered
+        inputs), as are the function's tensor arguments and module parameters. number_args: the
+        function's tensor arguments are inputs 0..k-1 in parameter order (the shim's numbering); else
+        leaves are numbered in order of first use (matching a region of a larger graph)."""
+        return self.exprs([at], cut, number_args)[0]
+
+    def exprs(self, ats: list, cut=frozenset(), number_args: bool = True) -> list[Traced]:
+        """expr() of several nodes, sharing one numbering of the leaves and every subtree (in graph
+        order, each node's inputs are already built: no deep recursion)."""
+        at = None  # the root being built (never a leaf of its own tree)
         torch, fx = self.torch, self.fx
         values, gm, root = self.values, self.gm, self.root
         placeholders, params, tensors = self.placeholders, self.params, self.tensors
@@ -239,6 +365,9 @@ class TraceGraph:
         getters: list = []
         param_index: dict[Any, int] = {}
         memo: dict = {}
+        sizes: dict = {}
+        stack: list = []  # the nodes being expanded (depth)
+        view_base: dict = {}  # a view node -> the node its ("view", x, shape) tree views
         if number_args:
             tensor_index = {name: i for i, (name, _) in enumerate(tensors)}
             index = {ph: tensor_index[p] for ph, p in zip(placeholders, params, strict=True) if p in tensor_index}
@@ -246,6 +375,9 @@ class TraceGraph:
             leaf_nodes.extend(sorted(index, key=index.get))
         else:
             index, inputs = {}, []
+
+        def is_leaf(n) -> bool:
+            return n in cut and n is not at and isinstance(values.get(n), torch.Tensor)
 
         def param_input(qualname: str, value) -> tuple:
             """A module parameter/buffer as one more numbered input, fetched by name on every call."""
@@ -292,12 +424,38 @@ class TraceGraph:
                 return tuple(conv(x) for x in a)
             return ("const", concrete_value(a))
 
+        def size(t) -> int:
+            """Nodes in the expanded tree t (shared subtrees counted at every use)."""
+            if not isinstance(t, tuple) or not t:
+                return 0
+            k = id(t)
+            if k not in sizes:
+                if isinstance(t[0], str):
+                    s = 1 if t[0] in ("input", "const", "opaque", "none") else 1 + sum(size(c) for c in t[1:])
+                else:
+                    s = sum(size(c) for c in t)
+                sizes[k] = (t, s)  # the tuple is kept alive with its id
+            return sizes[k][1]
+
         def node(n) -> tuple:
             if n in memo:
                 return memo[n]
+            if len(stack) >= MAX_EXPR_DEPTH:  # not memoised: reached from nearer, it may still expand
+                return ("opaque", f"an expression deeper than {MAX_EXPR_DEPTH} nodes", n.name)
+            stack.append(n)
+            try:
+                res = _node(n)
+            finally:
+                stack.pop()
+            if size(res) > MAX_EXPR_NODES:
+                res = ("opaque", f"an expression of more than {MAX_EXPR_NODES} nodes", n.name)
+            memo[n] = res
+            return res
+
+        def _node(n) -> tuple:
             v = values.get(n)
             holds_tensors = isinstance(v, list | tuple) and any(isinstance(x, torch.Tensor) for x in v)
-            if n in cut and isinstance(v, torch.Tensor):
+            if is_leaf(n):
                 res = leaf(n, v)
             elif n.op == "placeholder" and n in index:
                 res = ("input", index[n])
@@ -312,8 +470,7 @@ class TraceGraph:
             elif n.op == "call_module":
                 res = _module(n)
             else:
-                res = ("opaque", f"{n.op} {n.target}")
-            memo[n] = res
+                res = ("opaque", f"{n.op} {n.target}", n.name)
             return res
 
         def ndim_of(a) -> int | None:
@@ -353,13 +510,89 @@ class TraceGraph:
                     out.append(("const", concrete_value(a)))
             return (canon, *out)
 
+        def _perm(name: str, n, ndim: int) -> tuple | None:
+            """The full permutation a transpose/permute/t call applies, or None."""
+            rest = [concrete_value(a) for a in n.args[1:]]
+            try:
+                if name == "t":
+                    return tuple(range(ndim))[::-1] if ndim == 2 else tuple(range(ndim))
+                if name == "permute":
+                    dims = rest[0] if len(rest) == 1 and isinstance(rest[0], list | tuple) else rest
+                    dims = n.kwargs.get("dims", dims)
+                    perm = tuple(int(d) % ndim for d in dims)
+                    return perm if sorted(perm) == list(range(ndim)) else None
+                d0 = n.kwargs.get("dim0", rest[0] if rest else None)
+                d1 = n.kwargs.get("dim1", rest[1] if len(rest) > 1 else None)
+                perm = list(range(ndim))
+                a, b = int(d0) % ndim, int(d1) % ndim
+                perm[a], perm[b] = perm[b], perm[a]
+                return tuple(perm)
+            except (TypeError, ValueError, IndexError, ZeroDivisionError):
+                return None
+
+        def _layout(name: str, n, x_node, xv, v) -> tuple | None:
+            """Layout calls and casts, from the real input `xv` and output `v`; None if not one."""
+            if name in CASTS:
+                x = conv(x_node)
+                if v.dtype == xv.dtype:  # a no-op (or a device move): the same values
+                    return x
+                src = self.upcast_source(x_node)
+                if x[0] == "cast" and src is not None and values[src].dtype == v.dtype:
+                    return x[1]  # fp16 -> fp32 -> fp16: exact round trip
+                return ("cast", x, ("const", _dtype(v.dtype)))
+            if name == "contiguous":
+                x = conv(x_node)
+                return x if xv.is_contiguous() else ("contiguous", x)
+            if name == "dropout":  # F.dropout(x, p, training, inplace) / torch.dropout(x, p, train)
+                training = n.kwargs.get("training", n.kwargs.get("train", n.args[2] if len(n.args) > 2 else True))
+                return conv(x_node) if concrete_value(training) is False else None
+            if name == "getitem":  # x[..., None, :]: only full slices, None and ...: a view
+                index = concrete_value(n.args[1]) if len(n.args) > 1 else None
+                index = index if isinstance(index, tuple) else (index,)
+                if not all(i is None or i is Ellipsis or isinstance(i, slice) for i in index):
+                    return None
+                if v.numel() != xv.numel():
+                    return None
+                name = "view"
+            if name in VIEWS:
+                x = conv(x_node)
+                if tuple(v.shape) == tuple(xv.shape):
+                    return x
+                base = x_node
+                if x[0] == "view" and x_node in view_base:  # a view of a view: one view of the base
+                    base, x = view_base[x_node], x[1]
+                    if tuple(values[base].shape) == tuple(v.shape):
+                        return x
+                view_base[n] = base
+                return ("view", x, ("const", tuple(v.shape)))
+            if name in EXPANDS:
+                x = conv(x_node)
+                return x if tuple(v.shape) == tuple(xv.shape) else ("expand", x, ("const", tuple(v.shape)))
+            if name in PERMUTES:
+                perm = _perm(name, n, xv.ndim)
+                if perm is None:
+                    return None
+                x = conv(x_node)
+                if x[0] == "permute":
+                    inner = x[2][1]
+                    x, perm = x[1], tuple(inner[p] for p in perm)
+                return x if perm == tuple(range(len(perm))) else ("permute", x, ("const", perm))
+            return None
+
         def _call(n) -> tuple:
             name = _name(n)
-            args = [conv(a) for a in n.args]
-            kw = {k: conv(x) for k, x in n.kwargs.items()}
             first = n.args[0] if n.args else None
             first_value = values.get(first) if isinstance(first, fx.Node) else None
+            v = values.get(n)
+            if isinstance(first_value, torch.Tensor) and isinstance(v, torch.Tensor):
+                if (res := _layout(name, n, first, first_value, v)) is not None:
+                    return res
+            args = [conv(a) for a in n.args]
+            kw = {k: conv(x) for k, x in n.kwargs.items()}
+            if size(tuple(args)) + size(tuple(kw.values())) > MAX_EXPR_NODES:  # before sorting huge operands
+                return ("opaque", f"an expression of more than {MAX_EXPR_NODES} nodes", n.name)
             ndim = first_value.ndim if isinstance(first_value, torch.Tensor) else None
+
             if name in ("mul",) and not kw:
                 return _flat("mul", args)
             if name in ("add",) and not kw and len(args) == 2:
@@ -371,7 +604,8 @@ class TraceGraph:
             if name == "pow" and len(args) == 2 and args[1][0] == "const":
                 e = args[1][1]
                 if isinstance(e, int | float) and not isinstance(e, bool) and e in (2, 3, 4):
-                    return _flat("mul", [args[0]] * int(e))  # x**3 of the tanh-gelu formula
+                    # x**3 of the tanh-gelu formula (GPT-2's gelu_new: torch.pow(x, 3.0))
+                    return _flat("mul", [args[0]] * int(e))
                 if e == 0.5:
                     return ("sqrt", args[0])
                 if e == -0.5:
@@ -404,7 +638,7 @@ class TraceGraph:
             if name in SIGNATURES and (res := _generic(name, n)) is not None:
                 return res
             heads = [a[0] if a and isinstance(a[0], str) else "tuple" for a in args]
-            return ("opaque", f"{name}({', '.join(heads)})")
+            return ("opaque", f"{name}({', '.join(heads)})", n.name)
 
         def _module(n) -> tuple:
             """Leaf nn.Modules fx does not trace into, as the functional call they make."""
@@ -412,7 +646,7 @@ class TraceGraph:
             kind = type(mod).__name__
             args = [conv(a) for a in n.args]
             if n.kwargs or len(args) != (2 if kind == "CrossEntropyLoss" else 1):
-                return ("opaque", f"module {kind} called with {len(args)} args, kwargs {sorted(n.kwargs)}")
+                return ("opaque", f"module {kind} called with {len(args)} args, kwargs {sorted(n.kwargs)}", n.name)
             x = values.get(n.args[0])
 
             def p(attr: str) -> tuple:
@@ -430,16 +664,91 @@ class TraceGraph:
                 return ("gelu", args[0], ("const", mod.approximate))
             if kind == "SiLU":
                 return ("silu", args[0], ("const", mod.inplace))
+            if kind == "Linear":
+                return ("linear", args[0], p("weight"), p("bias"))
+            if kind in ("Dropout", "Identity") and not mod.training:
+                return args[0]
             if kind in ("Softmax", "LogSoftmax") and x is not None and _last_dim(mod.dim, x.ndim):
                 return ("softmax_last" if kind == "Softmax" else "log_softmax_last", args[0])
             if kind == "CrossEntropyLoss":
                 return ("cross_entropy", args[0], args[1], p("weight"), ("const", None), ("const", mod.ignore_index),
                         ("const", None), ("const", mod.reduction), ("const", mod.label_smoothing))
-            return ("opaque", f"module {kind}")
+            return ("opaque", f"module {kind}", n.name)
 
-        if at is None or not isinstance(at, fx.Node):
-            return Traced(("opaque", "output is not a single tensor"), inputs, getters, leaf_nodes)
-        return Traced(node(at), inputs, getters, leaf_nodes)
+        def computed_in_fp32(src, half: str) -> bool:
+            """Every value from the region's leaves up to `src` is float32, and every floating leaf
+            has dtype `half` (it enters through an exact widening cast or type promotion)."""
+            seen, stack = set(), [src]
+            while stack:
+                m = stack.pop()
+                if m in seen:
+                    continue
+                seen.add(m)
+                mv = values.get(m)
+                leafy = is_leaf(m) or m.op in ("placeholder", "get_attr")
+                if leafy:
+                    if isinstance(mv, torch.Tensor) and mv.is_floating_point() and _dtype(mv.dtype) != half:
+                        return False
+                    continue
+                items = mv if isinstance(mv, list | tuple) else [mv]
+                if not any(isinstance(t, torch.Tensor) for t in items):
+                    continue  # a constant (a shape, a size)
+                if m.op == "call_module" or any(isinstance(t, torch.Tensor) and t.dtype != torch.float32
+                                                for t in items):
+                    return False
+                stack.extend(m.all_input_nodes)
+            return True
+
+        def strip_upcasts(t, half: str):
+            """t with ("cast", input of dtype `half`, float32) replaced by the input, re-sorted."""
+            if not isinstance(t, tuple) or not t:
+                return t
+            if not _is_node(t):
+                return tuple(strip_upcasts(c, half) for c in t)
+            if t[0] in ("const", "input", "opaque", "none"):
+                return t
+            if (t[0] == "cast" and t[2] == ("const", "float32") and t[1][0] == "input"
+                    and _dtype(inputs[t[1][1]].dtype) == half):
+                return t[1]
+            kids = [strip_upcasts(c, half) for c in t[1:]]
+            return (t[0], *_sorted(kids)) if t[0] in ("mul", "add") else (t[0], *kids)
+
+        def exact_downcast(res: tuple) -> tuple:
+            """At the root: a cast down to half of an all-float32 computation on half inputs, as that
+            computation on the inputs (what forge's kernels compute: fp32 arithmetic, one rounding)."""
+            half = res[2][1]
+            if half not in _HALF or at.op not in ("call_method", "call_function") or _name(at) not in CASTS:
+                return res
+            src = at.args[0] if at.args else None
+            sv = values.get(src) if isinstance(src, fx.Node) else None
+            if not isinstance(sv, torch.Tensor) or sv.dtype != torch.float32 or "'sdpa'" in repr(res):
+                return res
+            if not computed_in_fp32(src, half):
+                return res
+            return strip_upcasts(res[1], half)
+
+        out = []
+        for at in ats:
+            if at is None or not isinstance(at, fx.Node):
+                out.append(Traced(("opaque", "output is not a single tensor"), list(inputs), list(getters),
+                                  list(leaf_nodes)))
+                continue
+            res = _node(at) if at in cut and at in memo else node(at)  # a root is never its own leaf
+            if res[0] == "cast":
+                res = exact_downcast(res)
+            out.append(Traced(res, list(inputs), list(getters), list(leaf_nodes)))
+        return out
+
+
+def _capped(t) -> bool:
+    """t holds an opaque stand-in for an expression too large or too deep to build."""
+    if not isinstance(t, tuple) or not t:
+        return False
+    if t[0] == "opaque":
+        return len(t) > 1 and isinstance(t[1], str) and t[1].startswith("an expression ")
+    if t[0] in ("const", "input"):
+        return False
+    return any(_capped(c) for c in (t[1:] if isinstance(t[0], str) else t))
 
 
 def canonical(fn, args: tuple, kwargs: dict) -> Traced:
@@ -454,6 +763,8 @@ def describe(expr, depth: int = 3) -> str:
         return repr(expr)
     if depth == 0:
         return "..."
+    if not isinstance(expr[0], str):  # a tuple of expressions (cat's tensors)
+        return f"({', '.join(describe(r, depth - 1) for r in expr)})"
     head, *rest = expr
     if head in ("input", "const", "opaque"):
         return f"{head} {rest[0]!r}" if rest else head

@@ -118,11 +118,25 @@ def reference(inputs, attrs):
 
 def oracle(inputs, attrs):
     """torch's formula in float64. A result beyond the output dtype's range (an fp16 "sum" over many
-    rows of large logits) is what the kernel and torch return too: inf, so that is the reference there."""
+    rows of large logits) is what the kernel and torch return too: inf, so that is the reference there.
+    Its float64 working set is bounded (opkit.oracle_budget): the rows are taken in chunks, each chunk's
+    losses summed in float64 ("sum", "mean": divided by the rows not ignored, as torch does) or kept."""
     import torch
+    import torch.nn.functional as F
 
     logits, target = inputs
-    r = reference((logits.double(), target), attrs)
+    m, v = logits.shape
+    per_chunk = max(1, opkit.oracle_budget(opkit.tensors_nbytes(inputs)) // (opkit.ORACLE_LIVE_COPIES * 8 * v))
+    if m <= per_chunk:
+        r = reference((logits.double(), target), attrs)
+    else:
+        ii, reduction = attrs["ignore_index"], attrs["reduction"]
+        parts = [F.cross_entropy(logits[i:i + per_chunk].double(), target[i:i + per_chunk], ignore_index=ii,
+                                 reduction="none" if reduction == "none" else "sum")
+                 for i in range(0, m, per_chunk)]
+        r = torch.cat(parts) if reduction == "none" else torch.stack(parts).sum()
+        if reduction == "mean":
+            r = r / (target != ii).sum()
     return torch.where(r.abs() > torch.finfo(logits.dtype).max, r.to(logits.dtype).double(), r)
 
 

@@ -11,6 +11,8 @@ NAME = "layer_norm"
 SUMMARY = "F.layer_norm(x, (N,), w, b, eps)"
 TEMPLATES = {"row": "layer_norm_row.j2", "looped": "layer_norm_looped.j2", "multirow": "layer_norm_multirow.j2"}
 DEFAULT_ATTRS = {"eps": 1e-5}
+# The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
+ORACLE_CHUNK = "rows"
 # Accepted by make_spec but not part of the spec: the only supported value is (N,), which the shape
 # already says. The matcher passes it only when it is something else, so the fallback names it.
 _CHECKED_ATTRS = ("normalized_shape",)

@@ -9,6 +9,8 @@ NAME = "log_softmax"
 SUMMARY = "log_softmax(x, dim=-1)"
 TEMPLATES = {"row": "log_softmax_row.j2", "looped": "log_softmax_looped.j2", "multirow": "log_softmax_multirow.j2"}
 DEFAULT_ATTRS = {"dim": -1}
+# The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
+ORACLE_CHUNK = "rows"
 
 
 def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:

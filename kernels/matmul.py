@@ -25,6 +25,9 @@ NAME = "matmul"
 SUMMARY = "A @ B (mm, bmm; no broadcasting)"
 TEMPLATES = {"tiled": "matmul_tiled.j2", "splitk": "matmul_splitk.j2"}
 DEFAULT_ATTRS: dict = {}
+# The default oracle (float64 A @ B) runs on blocks of A's rows x B's columns, its memory bounded
+# (forge/ops.py, opkit.oracle_in_chunks).
+ORACLE_CHUNK = "matmul"
 
 # Masking shapes for tests/test_templates.py, as (M, N, K) or (Bt, M, N, K): partial tiles in every
 # dimension, a single element, a batch, a decode-like row with a long K, and a K that the tested

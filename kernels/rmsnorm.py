@@ -9,6 +9,8 @@ NAME = "rmsnorm"
 SUMMARY = "x * rsqrt(mean(x^2, -1) + eps) * w"
 TEMPLATES = {"row": "rmsnorm_row.j2", "looped": "rmsnorm_looped.j2", "multirow": "rmsnorm_multirow.j2"}
 DEFAULT_ATTRS = {"eps": 1e-6}
+# The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
+ORACLE_CHUNK = "rows"
 
 
 def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:

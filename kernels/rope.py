@@ -21,6 +21,8 @@ NAME = "rope"
 SUMMARY = "x * cos + rotate_half(x) * sin; x (B,H,S,D), cos/sin (S,D)"
 TEMPLATES = {"tile": "rope_tile.j2", "rows": "rope_rows.j2"}
 DEFAULT_ATTRS: dict = {}
+# The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
+ORACLE_CHUNK = "rows"
 
 
 # Values per thread of one BLOCK x D/2 tile above which the variants would spill on Hopper: both keep

@@ -184,18 +184,44 @@ def reference(inputs, attrs):
 def oracle(inputs, attrs):
     """float64, written out (not F.sdpa) so the oracle does not share torch's dispatch: scores, the
     top-left causal mask tril(ones(Sq, Skv)) (query i sees keys j <= i), softmax, @ v; GQA by
-    repeating each kv head for its group of query heads."""
+    repeating each kv head for its group of query heads.
+
+    Never the whole (B, H, Sq, Skv) score tensor beyond opkit.oracle_budget: past it, one (batch, head) at a
+    time and blocks of query rows, each block's exact softmax over its keys (for a causal block, the keys
+    up to its last row: the others are masked to 0 weight anyway). The float64 working set of a block is
+    its scores and their softmax plus the head's float64 k and v."""
     import torch
 
-    q, k, v = (t.double() for t in inputs)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = (q @ k.transpose(-2, -1)) * attrs["scale"]
-    if attrs["causal"]:
-        sq, skv = s.shape[-2:]
-        keep = torch.ones(sq, skv, dtype=torch.bool, device=s.device).tril(diagonal=0)
-        s = s.masked_fill(~keep, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+    q, k, v = inputs
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale, causal = attrs["scale"], attrs["causal"]
+    budget = opkit.oracle_budget(opkit.tensors_nbytes(inputs))
+    # float64 elements held at once: q, k, v (k, v repeated per query head) and ~3 score-sized tensors.
+    if 8 * (b * hq * (sq * d + 2 * skv * d) + 3 * b * hq * sq * skv) <= budget:
+        q, k, v = (t.double() for t in inputs)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = (q @ k.transpose(-2, -1)) * scale
+        if causal:
+            keep = torch.ones(sq, skv, dtype=torch.bool, device=s.device).tril(diagonal=0)
+            s = s.masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+    rows = max(1, (budget // 8 - 2 * skv * d) // (3 * skv + 2 * d))  # query rows per block
+    out = torch.empty((b, hq, sq, d), dtype=torch.float64, device=q.device)
+    for bi in range(b):
+        for h in range(hq):
+            kh, vh = k[bi, h // group].double(), v[bi, h // group].double()
+            for i0 in range(0, sq, rows):
+                i1 = min(sq, i0 + rows)
+                n = min(skv, i1) if causal else skv  # the keys this block's rows may see
+                s = (q[bi, h, i0:i1].double() @ kh[:n].transpose(0, 1)) * scale
+                if causal:  # row i0 + r sees keys j <= i0 + r
+                    keep = torch.ones(i1 - i0, n, dtype=torch.bool, device=s.device).tril(diagonal=i0)
+                    s = s.masked_fill(~keep, float("-inf"))
+                out[bi, h, i0:i1] = torch.softmax(s, dim=-1) @ vh[:n]
+                del s
+    return out
 
 
 def alloc_output(inputs, spec: KernelSpec):

@@ -9,6 +9,8 @@ NAME = "softmax"
 SUMMARY = "softmax(x, dim=-1)"
 TEMPLATES = {"row": "softmax_row.j2", "looped": "softmax_looped.j2", "multirow": "softmax_multirow.j2"}
 DEFAULT_ATTRS = {"dim": -1}
+# The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
+ORACLE_CHUNK = "rows"
 
 
 def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:

@@ -52,6 +52,14 @@ def branchy(x):
     if x.sum() > 0:
         return x
     return -x
+
+
+def broken(x):
+    return x @ torch.ones(5, 5)
+
+
+def no_tensor_ops(x):
+    return x
 '''
 
 
@@ -92,7 +100,8 @@ def test_function_with_inputs_and_dtype(files):
     (["funcs.py:rms", "--input", "3xq"], "--input '3xq'"),
     (["funcs.py:rms"], "give the function's inputs with --input"),
     (["funcs.py:nope", "--input", "3x4"], "no function 'nope'"),
-    (["funcs.py:branchy", "--input", "3x4"], "cannot trace"),
+    (["funcs.py:broken", "--input", "3x4"], "cannot trace: TorchDynamo could not capture it"),
+    (["funcs.py:no_tensor_ops", "--input", "3x4"], "captured no graph"),
     (["problem.py", "--input", "3x4"], "--input is for FILE.py:function"),
 ])
 def test_bad_targets_exit_2_with_a_reason(files, args, needle):

@@ -7,6 +7,15 @@ while the others go on. Three ways to run them:
             candidate of a spec is validated and timed on one GPU, and no two specs share a GPU;
   ray       --executor ray: each job is a Ray task (num_gpus=1 on CUDA) that searches into a
             throw-away cache on whichever node runs it; the driver merges the entries into its cache.
+
+Which failures stop the run: none that forge names. A job that raises a ForgeError (a usage error, exit 2;
+an environment problem, exit 3, e.g. forge's own float64 oracle or eager baseline out of memory at that
+job's shape; every candidate failed, exit 4) or a cache error (exit 5) is recorded against that job, with
+its exit code and message, and the run goes on; the command exits with the first failed job's code. So an
+environment that fails every job (no triton, no GPU for device cuda) fails each one alike, quickly (before
+any worker starts), rather than stopping at the first. Only an exception that is no ForgeError (a bug in
+forge) ends the run. After a job that failed part-way its worker pool is closed (engine.Pools.discard): the
+next job starts fresh workers, holding nothing of the failed job's memory.
 """
 
 from __future__ import annotations

@@ -22,10 +22,11 @@ from forge.errors import EnvironmentProblem, UsageError
 from forge.loader import source_sha256, write_source
 from forge.opkit import Candidate
 from forge.spec import KernelSpec
-from forge.tuner import stats, strategy
+from forge.tuner import memory, stats, strategy
 from forge.tuner.lock import device_lock
 from forge.tuner.pool import Pool, capped_size, default_size
 from forge.tuner.status import Status
+from forge.tuner.worker import CANDIDATE
 
 Events = Callable[..., None]
 _announced: set[str] = set()
@@ -106,6 +107,8 @@ class SearchReport:
     # Why a stored entry for this key was not served (it failed forge/key.py verify_entry) and was
     # searched again, replacing it; None otherwise.
     note: str | None = None
+    # The memory model's estimate (memory.Footprint), the free memory and the validation lanes admitted.
+    memory: dict[str, Any] | None = None
 
     @property
     def backend(self) -> str:
@@ -136,6 +139,7 @@ class SearchReport:
             "phases": {k: round(v, 3) for k, v in self.phases.items()},
             "stored": self.stored,
             "note": self.note,
+            "memory": self.memory,
         }
 
 
@@ -175,8 +179,7 @@ def resolve_backend(device: str | None) -> str:
 _MAX_INDEX = 2**63 - 1
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB"
+_gib = memory.gib
 
 
 def device_memory(backend: str, gpu: int | None = None) -> tuple[int, str]:
@@ -232,6 +235,14 @@ class Pools:
         pool = Pool(backend, size, setup, gpu=gpu)
         self._pools[key] = pool
         return pool.start()
+
+    def discard(self, pool: Pool) -> None:
+        """Close `pool` and forget it: after a search that failed part-way (a request may still be in flight,
+        a worker may hold the failed spec's memory) the run's next search starts fresh workers."""
+        for key, kept in list(self._pools.items()):
+            if kept is pool:
+                del self._pools[key]
+        pool.close()
 
     def close(self) -> None:
         for pool in self._pools.values():
@@ -291,6 +302,65 @@ def _refused_hit(entry: Entry, emit: Events | None) -> str | None:
             "searched again, replacing it")
 
 
+class Admission:
+    """How many workers validate at once for one search (memory.validation_lanes over the free memory a
+    worker measures before each batch), and the messages that name the numbers when memory runs out."""
+
+    def __init__(self, spec: KernelSpec, footprint: memory.Footprint, backend: str, gpu: int | None, size: int):
+        self.spec, self.footprint, self.backend, self.gpu, self.size = spec, footprint, backend, gpu, size
+        self.free: int | None = None
+        self.total: int | None = None
+        self.lanes = size
+        self.limit = size  # lowered to 1 after forge's own validation ran out of memory with more lanes
+        self.announced: int | None = None
+
+    def measure(self, pool: Pool, timeout: float) -> None:
+        reply = pool.call({"cmd": "memory"}, timeout)
+        if reply.get("status") == Status.OK:
+            self.free, self.total = reply.get("free"), reply.get("total")
+
+    def admit(self, pool: Pool, timeout: float, emit: Events) -> int:
+        """Measure the free memory and return the lanes to validate the next batch on."""
+        self.measure(pool, timeout)
+        self.lanes = min(self.limit, memory.validation_lanes(self.footprint.validation, self.free, self.size))
+        if self.lanes < self.size and self.lanes != self.announced:
+            self.announced = self.lanes
+            emit("workers-capped", message=f"{self.label}: validating on {self.lanes} of {self.size} workers at a "
+                                           f"time ({self.why()})")
+        return self.lanes
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.op} {self.spec.shape_str} {self.spec.dtype}"
+
+    def where(self) -> str:
+        total, what = (self.total, "the GPU's memory" if self.backend == "cuda" else "this host's memory")
+        if total is None:
+            total, what = device_memory(self.backend, self.gpu)
+        return f"{_gib(self.free) if self.free is not None else 'an unknown amount'} of {what} ({_gib(total)}) free"
+
+    def why(self) -> str:
+        return f"forge estimates {self.footprint.describe()}; {self.where()}"
+
+    def note(self) -> str:
+        """Appended to a candidate's oom reason."""
+        return (f" [forge's estimate: ~{_gib(self.footprint.validation)} per validating worker; {self.where()}, "
+                f"{self.lanes} of {self.size} worker(s) validating at once]")
+
+    def problem(self, what: str, reply: dict) -> EnvironmentProblem:
+        """Exit 3 for forge's own out-of-memory (oracle, inputs, eager, timing sets): the numbers, what to do."""
+        return EnvironmentProblem(
+            f"{self.label}: {what} ran out of memory ({reply.get('reason')}), not in a candidate: its inputs "
+            f"take {_gib(self.footprint.inputs)} per set; {self.why()}; {self.lanes} of {self.size} worker(s) "
+            "validating at once. Free the memory other processes hold, try fewer --workers, or a smaller shape")
+
+
+def _forge_oom(reply: dict) -> bool:
+    """An out-of-memory in forge's own work (the validation inputs, the float64 oracle, eager, the timing
+    sets), not in a candidate's code."""
+    return reply.get("status") == Status.OOM and reply.get("stage", CANDIDATE) != CANDIDATE
+
+
 def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit: Events,
                    t0: float, pools: Pools | None = None, gpu: int | None = None) -> SearchReport:
     space = op.module.space(spec)
@@ -319,6 +389,19 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     pool = (pools.get(backend, size, setup, gpu) if pools is not None
             else Pool(backend, size, setup, gpu=gpu).start())
     lap("startup")
+    mem = Admission(spec, memory.estimate(op.module, spec), backend, gpu, size)
+    forge_oom: dict[Candidate, dict] = {}  # this batch's candidates whose validation forge's own work starved
+
+    def on_validated(cand: Candidate, reply: dict) -> None:
+        if _forge_oom(reply):  # forge's oracle or inputs ran out of memory, not the candidate: decided below
+            forge_oom[cand] = reply
+            return
+        r = results[cand]
+        r.status, r.reason = reply["status"], reply.get("reason")
+        if r.status == Status.OOM:
+            r.reason = (r.reason or "out of memory") + mem.note()
+        emit("validated", result=r)
+
     try:
         while len(results) < opts.budget:
             batch = strat.propose(space, results, opts.budget - len(results))
@@ -332,14 +415,21 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 results[cand] = res
             lap("render")
 
-            # Phase 1: compile + validate, in parallel on all workers.
-            def on_validated(cand: Candidate, reply: dict) -> None:
-                r = results[cand]
-                r.status, r.reason = reply["status"], reply.get("reason")
-                emit("validated", result=r)
-
+            # Phase 1: compile + validate, in parallel on as many workers as the free memory admits.
+            forge_oom.clear()
+            lanes = mem.admit(pool, opts.timeout, emit)
             pool.map([(c, {"cmd": "validate", "path": results[c].path}) for c in batch], opts.timeout,
-                     on_validated)
+                     on_validated, lanes=lanes)
+            if forge_oom and lanes > 1:  # other workers' validations took the memory: one at a time now
+                mem.limit = 1
+                retry = list(forge_oom)
+                forge_oom.clear()
+                lanes = mem.admit(pool, opts.timeout, emit)
+                pool.map([(c, {"cmd": "validate", "path": results[c].path}) for c in retry], opts.timeout,
+                         on_validated, lanes=1)
+            if forge_oom:
+                raise mem.problem("validating a candidate (forge's inputs, float64 oracle or comparison)",
+                                  next(iter(forge_oom.values())))
             lap("validate")
 
             # Phase 2: time the valid ones one at a time on one worker (the others are idle).
@@ -348,12 +438,8 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                                    "reps": sampling.screen_reps, "settle_ms": sampling.settle_ms},
                                   opts.timeout)
                 if reply["status"] == Status.OOM:
-                    have, what = device_memory(backend, gpu)
-                    need = sum(t.nbytes for t in spec.inputs)
-                    raise EnvironmentProblem(
-                        f"timing the eager baseline ran out of memory ({reply.get('reason')}): its inputs take "
-                        f"{_gib(need)} per set of {what} ({_gib(have)}), with {size} worker(s) sharing it; "
-                        "try fewer --workers or a smaller shape")
+                    raise mem.problem("making the timing sets" if reply.get("stage") == "timing"
+                                      else "timing the eager baseline", reply)
                 if reply["status"] != Status.OK:
                     raise EnvironmentProblem(f"timing the eager baseline failed: {reply.get('reason')}")
                 baseline = stats.Quantiles.of(reply["samples"]["eager"])
@@ -364,15 +450,23 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                     continue
                 reply = pool.call({"cmd": "time", "paths": [r.path], "reps": sampling.screen_reps},
                                   opts.timeout)
+                if _forge_oom(reply):
+                    raise mem.problem("timing (forge's timing sets)", reply)
                 if reply["status"] == Status.OK:
                     r.screen = stats.Quantiles.of(reply["samples"][r.path])
                 else:  # it validated but failed while being timed (e.g. graph capture, timeout)
                     r.status, r.reason = reply["status"], reply.get("reason")
+                    if r.status == Status.OOM:
+                        r.reason = (r.reason or "out of memory") + mem.note()
                 emit("timed", result=r)
             lap("time")
 
-        decision, winner, source, baseline = _decide(pool, results, baseline, sampling, opts, emit)
+        decision, winner, source, baseline = _decide(pool, results, baseline, sampling, opts, emit, mem)
         lap("final")
+    except BaseException:
+        if pools is not None:  # failed part-way: the run's next search gets fresh workers
+            pools.discard(pool)
+        raise
     finally:
         if pools is None:  # a borrowed pool stays up for the run's next search
             pool.close()
@@ -381,7 +475,9 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     summary = [r.to_dict(baseline) for r in sorted(results.values(), key=_rank)]
     report = SearchReport(op=op.name, spec=spec, env=env, key=key, decision=decision, cache_hit=False,
                           seconds=seconds, baseline=baseline, candidates=summary, source=source,
-                          cache_path=str(cache.path), phases=phases)
+                          cache_path=str(cache.path), phases=phases,
+                          memory={"estimate": mem.footprint.to_dict(), "free": mem.free, "total": mem.total,
+                                  "workers": size, "validation_lanes": mem.lanes})
     if winner is not None:
         report.winner = {"variant": winner.candidate.variant, "params": winner.candidate.p,
                          "quantiles": winner.final.to_dict()}
@@ -404,7 +500,7 @@ def _rank(r: CandidateResult) -> tuple:
 
 
 def _decide(pool: Pool, results: dict[Candidate, CandidateResult], baseline, sampling: Sampling,
-            opts: SearchOptions, emit: Events):
+            opts: SearchOptions, emit: Events, mem: Admission | None = None):
     """Finalists (top by screening p50) re-timed in alternation with eager; the best is accepted only
     if p80(candidate) < p20(eager) / 1.03. Returns (decision, winner, source, baseline)."""
     timed = sorted((r for r in results.values() if r.screen is not None), key=lambda r: r.screen.p50)
@@ -418,11 +514,15 @@ def _decide(pool: Pool, results: dict[Candidate, CandidateResult], baseline, sam
                           opts.timeout * (len(finalists) + 1))
         if reply["status"] == Status.OK:
             break
+        if mem is not None and (_forge_oom(reply) or (reply["status"] == Status.OOM and "failed" not in reply)):
+            raise mem.problem("re-timing the finalists against eager", reply)
         # A finalist failed while being re-timed: record it and shoot out without it.
         failed_path = reply.get("failed")
         for r in finalists:
             if failed_path is None or r.path == failed_path:
                 r.status, r.reason, r.screen = reply.get("status", Status.ERROR), reply.get("reason"), None
+                if r.status == Status.OOM and mem is not None:
+                    r.reason = (r.reason or "out of memory") + mem.note()
         finalists = [r for r in finalists if r.screen is not None]
     if not finalists:
         return "none", None, None, baseline

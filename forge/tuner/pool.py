@@ -14,7 +14,9 @@ files, so a killed run leaves no log directory behind either.
 The parent never dies because of a candidate: a worker that times out is killed, one that dies
 (segfault, os._exit) is noticed through its closed pipe, one that reports a CUDA error exits; in every
 case the failure is recorded against the candidate and a fresh worker takes its place. Healthy workers
-are reused so Python/torch start-up (~2 s on CPU) is not paid per candidate.
+are reused so Python/torch start-up (~2 s on CPU) is not paid per candidate. How many workers validate at
+once is the engine's call (map's `lanes`: engine.Admission, the free memory over the spec's footprint,
+forge/tuner/memory.py); the others wait idle, holding no tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.errors import EnvironmentProblem, ForgeError
+from forge.tuner import memory
 from forge.tuner.status import Status
 from forge.tuner.worker import INTERNAL, READY
 
@@ -312,14 +315,7 @@ WORKER_HOST_BYTES = 1 << 30
 
 
 def _available_host_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return memory.available_host_memory()
 
 
 def capped_size(requested: int, backend: str) -> tuple[int, str | None]:

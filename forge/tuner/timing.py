@@ -4,7 +4,8 @@
   input/output sets, bracketed by CUDA events, divided by K. The graph removes host dispatch from
   the measurement (a Triton JIT launch costs ~17.5 µs of host time on the H200 machine, more than a
   2048x4096 rmsnorm takes on the device), and rotating over sets that together exceed 3x the L2
-  means every launch reads its inputs from HBM, as it would in a model, instead of from L2.
+  means every launch reads its inputs from HBM, as it would in a model, instead of from L2. The sets
+  take at most half the free memory (memory.timing_sets), at least one set.
 - interpreter: host wall time of single calls (time.perf_counter); only good for comparing
   candidates on the same CPU, and labelled as such everywhere.
 """
@@ -15,6 +16,7 @@ import math
 import time
 from collections.abc import Callable
 
+from forge.tuner import memory
 from forge.tuner.validate import CandidateRaised
 
 # One graph replay lasts about this long: long enough that event resolution (~0.5 µs) and the
@@ -42,9 +44,11 @@ class Bench:
         set_bytes = sum(t.nbytes for t in spec.inputs) + first_out.numel() * first_out.element_size()
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
-            n_sets = min(MAX_SETS, max(1, math.ceil(L2_MULTIPLE * l2 / set_bytes)))
+            want = min(MAX_SETS, max(1, math.ceil(L2_MULTIPLE * l2 / set_bytes)))
         else:
-            n_sets = 2
+            want = 2
+        # Bounded by the free memory too (memory.timing_sets): the inputs of one set may be GiBs.
+        n_sets = memory.timing_sets(set_bytes, memory.free_memory(backend)[0] if want > 1 else None, want)
         self.inputs = [first] + [opmod.make_inputs(spec, seed + 77 + i, "normal") for i in range(1, n_sets)]
         self.outputs = [first_out] + [opmod.alloc_output(inp, spec) for inp in self.inputs[1:]]
         self.n_sets = n_sets

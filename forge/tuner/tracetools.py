@@ -1,20 +1,33 @@
 """`forge trace`: find the ops forge can tune inside a user's model or function.
 
 A target is a KernelBench-style problem file (`Model(nn.Module)`, `get_inputs()`, optional
-`get_init_inputs()`) or `FILE.py:function` with `--input 2048x4096:float16 ...`. The whole target is
-traced once with torch.fx (forge/trace.py, values from a real run), and its graph is split into
-regions, each matched to an op family:
+`get_init_inputs()`), `FILE.py:function` with `--input 2048x4096:float16 ...` (or the file's
+get_inputs()), or `FILE.py:name` of an nn.Module instance. The target runs once on its real inputs
+under TorchDynamo (`torch.compile` with a recording backend, no grad, static shapes, graph breaks
+allowed): each graph Dynamo captures is run through forge/trace.py's recorder as it executes (so every
+node's real value, shape, strides and dtype is known), and Dynamo's state is reset before and after.
+A graph break (data-dependent control flow, a print, an unsupported call) gives several graphs; each
+is listed, and its graph is split into regions, each matched to an op family:
 
   Walking the graph from the output backwards, at each not-yet-covered call node the largest region
-  rooted there is tried first: (1) everything down to the target's arguments and parameters, then
-  (2) cut at values used more than once (x in x * rsqrt(mean(x*x))), then (3) only the node itself
-  with its direct inputs as leaves (gelu(layer_norm(x)) is two regions). The first match wins and its
-  nodes are covered. Calls left uncovered are reported with why nothing matched.
+  rooted there is tried first: (1) everything down to the graph's inputs (module parameters are
+  inputs), then (2) cut at values used more than once (x in x * rsqrt(mean(x*x))), then (3) also cut
+  at values no matcher looks into (linear / addmm / matmul / sdpa outputs, layout: view, permute,
+  expand, contiguous; casts; opaque calls), then (4) only the node itself with its direct inputs as
+  leaves (gelu(layer_norm(x)) is two regions). A cut never stops at an exact widening cast (x.float()
+  of a half x): the region takes x, so a float32 computation rounded once to x's dtype matches as the
+  op on x (forge/trace.py, exact numerics). The first match wins and its nodes are covered. Calls left
+  uncovered are reported with why nothing matched. A matched region whose inputs the op's kernel
+  cannot take (a layout, e.g. HF's transposed q/k/v or (B, 1, S, D) cos/sin; a dtype) is listed with
+  the reason.
 
 `--profile` attributes run time to regions (each graph node runs inside one profiler range, so a
-kernel is counted once, in the range that launched it), `--write-manifest` writes the matched
-(op, shape, dtype, attrs) for `forge search --manifest`, and `--verify` runs the target with every
-region that has a cached kernel swapped for it and compares with eager end to end.
+kernel is counted once, in the range that launched it; time outside the captured graphs is not
+attributed), `--write-manifest` writes the matched (op, shape, dtype, attrs) for
+`forge search --manifest`, and `--verify` runs the target again under TorchDynamo with each captured
+graph replaced by a copy in which every region that has a cached kernel calls that kernel, and
+compares every tensor of the output with eager end to end (if the second capture does not give the
+same graphs, it says it cannot verify rather than compare something else).
 """
 
 from __future__ import annotations
@@ -53,6 +66,8 @@ class Region:
     decision: str | None = None  # from the cache: kernel | eager | None (not tuned)
     speedup: float | None = None
     seconds: float = 0.0  # --profile
+    graph: int = 0  # which captured graph (TraceResult.graphs) the region is in
+    inputs: list = field(default_factory=list)  # each leaf's name: a parameter's qualified name, else the node's
 
     @property
     def label(self) -> str:
@@ -68,6 +83,7 @@ class Unmatched:
     shape: tuple
     reason: str
     seconds: float = 0.0
+    graph: int = 0
 
 
 @dataclass
@@ -75,8 +91,16 @@ class TraceResult:
     target: Target
     regions: list[Region]
     unmatched: list[Unmatched]
-    graph: Any  # forge.trace.TraceGraph
+    graphs: list  # forge.trace.TraceGraph per graph TorchDynamo captured, in the order they ran
+    breaks: list[str] = field(default_factory=list)  # Dynamo's graph-break reasons (first line each)
     profile: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def graph(self):
+        """The captured graph, when there is one (graph breaks give several: see `graphs`)."""
+        if len(self.graphs) != 1:
+            raise ValueError(f"{len(self.graphs)} graphs were captured; use .graphs")
+        return self.graphs[0]
 
 
 # -- loading the target ----------------------------------------------------------------------------
@@ -131,6 +155,10 @@ def load_target(target: str, inputs: list[str], device: str, dtype: str | None =
         fn = getattr(mod, func, None)
         if not callable(fn):
             raise UsageError(f"{path}: no function {func!r}")
+        if isinstance(fn, torch.nn.Module):  # FILE.py:model, a module the file built
+            fn = fn.to(device).eval()
+            if cast is not None:
+                fn = fn.to(cast)
         if inputs:
             args = []
             for spec in inputs:
@@ -184,23 +212,45 @@ def _describe_call(n) -> str:
     return f"{n.op.replace('call_', '')} {name}"
 
 
-def find_regions(graph, device: str) -> tuple[list[Region], list[Unmatched]]:
+def _through_upcasts(graph, nodes) -> frozenset:
+    """The cut `nodes` with each exact widening cast (x.float() of a half x) replaced by what it casts:
+    the region then takes x itself, and a float32 computation rounded once to x's dtype is recognised."""
+    out = set()
+    for n in nodes:
+        while (src := graph.upcast_source(n)) is not None:
+            n = src
+        out.add(n)
+    return frozenset(out)
+
+
+def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = None
+                 ) -> tuple[list[Region], list[Unmatched]]:
+    """Regions and unmatched calls of one graph. names: {id(tensor): qualified name} of the target's
+    parameters and buffers (Dynamo passes them as graph inputs), for Region.inputs."""
     import torch
 
-    from forge.trace import describe
+    from forge.trace import BOUNDARY_HEADS, describe
 
     families = [ops.get(name) for name in sorted(ops.available())]
     calls = _call_nodes(graph)
     covered: set = set()
     regions: list[Region] = []
     reasons: dict = {}
-    multi = {n for n in calls if len(n.users) > 1}
+    multi = frozenset(n for n in calls if len(n.users) > 1)
+    heads = graph.heads()
+    boundary = frozenset(n for n in calls if heads.get(n) in BOUNDARY_HEADS)
+    cut_multi = _through_upcasts(graph, multi)
+    cut_bound = _through_upcasts(graph, multi | boundary)
+    whole = graph.bounded()  # nodes whose whole tree is small enough to match with no cut
     for n in reversed(calls):
         if n in covered:
             continue
-        direct = {a for a in n.all_input_nodes if a.op.startswith("call_")}
-        found = None
-        for cut in (frozenset(), frozenset(multi - {n}), frozenset(direct)):
+        direct = _through_upcasts(graph, {a for a in n.all_input_nodes if a.op.startswith("call_")})
+        found, tried = None, []
+        for cut in (frozenset(), cut_multi, cut_bound, direct):
+            if cut in tried or (not cut and n not in whole):
+                continue
+            tried.append(cut)
             traced = graph.expr(n, cut=cut, number_args=False)
             for fam in families:
                 m = getattr(fam.module, "match", None)
@@ -209,13 +259,15 @@ def find_regions(graph, device: str) -> tuple[list[Region], list[Unmatched]]:
                     break
             if found:
                 break
-            reasons.setdefault(n, f"no op family matches ({describe(traced.expr)})")
+            reasons[n] = f"no op family matches ({describe(traced.expr)})"
         if not found:
             continue
         fam, traced, indices, attrs = found
         leaf_nodes = {x for x in traced.leaves if not isinstance(x, str)}
         region = Region(index=len(regions), root=n, nodes=_region_nodes(n, leaf_nodes), leaves=traced.leaves,
-                        op=fam.name, indices=list(indices), attrs=dict(attrs))
+                        op=fam.name, indices=list(indices), attrs=dict(attrs), graph=graph_index,
+                        inputs=[_leaf_name(leaf, t, names) for leaf, t in zip(traced.leaves, traced.tensors,
+                                                                              strict=True)])
         covered.update(region.nodes)
         picked = [traced.tensors[i] if i is not None else None for i in indices]
         try:
@@ -241,20 +293,155 @@ def find_regions(graph, device: str) -> tuple[list[Region], list[Unmatched]]:
     regions.sort(key=lambda r: calls.index(r.root))
     for i, r in enumerate(regions):
         r.index = i
-    unmatched = [Unmatched(n, _describe_call(n), tuple(graph.values[n].shape), reasons.get(n, "no op family matches"))
-                 for n in calls if n not in covered]
+    for n in calls:
+        if heads.get(n) == "input":
+            reasons[n] = "a no-op here (returns its input's values: a cast to its own dtype, an identity view)"
+    unmatched = [Unmatched(n, _describe_call(n), tuple(graph.values[n].shape), reasons.get(n, "no op family matches"),
+                           graph=graph_index) for n in calls if n not in covered]
     return regions, unmatched
 
 
-def trace(target: Target, device: str) -> TraceResult:
-    from forge.trace import TraceGraph, Untraceable
+def _leaf_name(leaf, tensor, names: dict | None) -> str:
+    if isinstance(leaf, str):
+        return leaf
+    if names and id(tensor) in names:
+        return names[id(tensor)]
+    return leaf.name
 
+
+def _param_names(fn) -> dict:
+    """{id(tensor): qualified name} for the parameters and buffers of the target: an nn.Module's own
+    names, or for a function the modules it reads by name (globals, closure) prefixed with that name."""
+    import torch
+
+    if isinstance(fn, torch.nn.Module):
+        modules = {"": fn}
+    else:
+        code = getattr(fn, "__code__", None)
+        scope = dict(getattr(fn, "__globals__", {}))
+        if code is not None and getattr(fn, "__closure__", None):
+            scope.update(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__), strict=False))
+        used = set(code.co_names) | set(code.co_freevars) if code is not None else set()
+        modules = {name: m for name, m in scope.items() if name in used and isinstance(m, torch.nn.Module)}
+    names: dict = {}
+    for prefix, mod in modules.items():
+        named = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
+        for name, t in named:  # the first name of a shared (tied) tensor
+            names.setdefault(id(t), f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def _first_lines(exc: BaseException) -> str:
+    """An exception's first line, plus Dynamo's "Explanation:" line when it has one (no traceback)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    explained = [ln for ln in lines[1:] if ln.startswith("Explanation:")]
+    if explained:
+        text += f" ({explained[0][:300]})"
+    return text
+
+
+class _QuietDynamo:
+    """Dynamo logs a failing fake-tensor run with its traceback; the usage error says it in one line."""
+
+    NAMES = ("torch._dynamo", "torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
+
+    def __enter__(self):
+        import logging
+
+        self.saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in self.NAMES]
+        for logger, _ in self.saved:
+            logger.setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc):
+        for logger, level in self.saved:
+            logger.setLevel(level)
+
+
+_BREAK_COUNTERS = ("graph_break", "unimplemented")
+
+
+def _break_counts() -> dict:
     try:
-        graph = TraceGraph(target.fn, target.args, {})
-    except Untraceable as exc:
-        raise UsageError(f"{target.description}: cannot trace: {exc}") from None
-    regions, unmatched = find_regions(graph, device)
-    return TraceResult(target, regions, unmatched, graph)
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - a torch without Dynamo's counters
+        return {}
+    return {(k, reason): n for k in _BREAK_COUNTERS for reason, n in counters[k].items()}
+
+
+def _break_reason(text: str) -> str:
+    """Dynamo's graph-break message in one line: its title and its explanation."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    why = next((ln.removeprefix("Explanation:").strip() for ln in lines[1:] if ln.startswith("Explanation:")), "")
+    return f"{lines[0]}: {why[:200]}" if why else lines[0]
+
+
+def run_under_dynamo(fn, args: tuple, backend) -> Any:
+    """fn(*args) once under TorchDynamo with `backend` (static shapes, graph breaks allowed, no grad),
+    Dynamo's caches reset before and after so nothing compiled is left behind."""
+    import torch
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(fn, backend=backend, dynamic=False, fullgraph=False)
+        with torch.no_grad(), _QuietDynamo():
+            return compiled(*args)
+    finally:
+        torch._dynamo.reset()
+
+
+def capture(target: Target) -> tuple[list, list[str]]:
+    """(a TraceGraph per graph TorchDynamo captured, in the order they ran; the graph-break reasons)."""
+    from forge.trace import TraceGraph
+
+    graphs: list = []
+
+    def record(gm, example_inputs):
+        state = {"recorded": False}
+
+        def run(*args):
+            if state["recorded"]:  # a graph called again (a loop around a graph break): run it plainly
+                return gm.forward(*args)
+            state["recorded"] = True
+            g = TraceGraph.from_graph(gm, args)  # the graph's one execution, every value recorded
+            graphs.append(g)
+            return g.output
+
+        return run
+
+    before = _break_counts()
+    try:
+        run_under_dynamo(target.fn, target.args, record)
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - Dynamo or the user's code failed; say why, no traceback
+        raise UsageError(f"{target.description}: cannot trace: TorchDynamo could not capture it: "
+                         f"{_first_lines(exc)}") from None
+    after = _break_counts()
+    breaks = []
+    for key, n in after.items():
+        breaks.extend([_break_reason(key[1]) or key[0]] * (n - before.get(key, 0)))
+    if not graphs:
+        raise UsageError(f"{target.description}: cannot trace: TorchDynamo captured no graph (no tensor "
+                         "operation ran in code it could compile)" + (f"; graph breaks: {'; '.join(breaks)}"
+                                                                      if breaks else ""))
+    return graphs, breaks
+
+
+def trace(target: Target, device: str) -> TraceResult:
+    graphs, breaks = capture(target)
+    names = _param_names(target.fn)
+    regions: list[Region] = []
+    unmatched: list[Unmatched] = []
+    for i, g in enumerate(graphs):
+        r, u = find_regions(g, device, i, names)
+        regions.extend(r)
+        unmatched.extend(u)
+    for i, r in enumerate(regions):
+        r.index = i
+    return TraceResult(target, regions, unmatched, graphs, breaks)
 
 
 def annotate_with_cache(result: TraceResult, cache, backend: str) -> None:
@@ -293,40 +480,52 @@ def _labels(result: TraceResult) -> dict:
         for n in r.nodes:
             labels[n] = f"forge_region_{r.index}"
     for u in result.unmatched:
-        labels[u.node] = f"forge_other_{u.node.name}"
+        labels[u.node] = _other_label(u)
     return labels
+
+
+def _other_label(u: Unmatched) -> str:
+    return f"forge_other_{u.graph}_{u.node.name}"
 
 
 def profile(result: TraceResult, iters: int = 5) -> dict[str, Any]:
     """Time per region with torch.profiler: each node runs inside a range named after its region, so
     every kernel is counted once (in the range that launched it), never as both aten op and kernel.
-    CUDA: device time of the kernels in each range; CPU: the ranges' own CPU time."""
+    CUDA: device time of the kernels in each range; CPU: the ranges' own CPU time. Each captured graph
+    runs on the inputs it was captured with; time between graphs (eager code at graph breaks) is not
+    counted."""
     import torch
     from torch.profiler import ProfilerActivity, record_function
 
-    g = result.graph
     labels = _labels(result)
-    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in result.target.args)
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in result.target.args) or any(
+        isinstance(v, torch.Tensor) and v.is_cuda for g in result.graphs for v in (g.values.get(p) for p in
+                                                                                 g.placeholders))
+    runs = []
+    for g in result.graphs:
+        class Ranged(g.fx.Interpreter):
+            def run_node(self, n):
+                label = labels.get(n)
+                if label is None:
+                    return super().run_node(n)
+                with record_function(label):
+                    return super().run_node(n)
 
-    class Ranged(g.fx.Interpreter):
-        def run_node(self, n):
-            label = labels.get(n)
-            if label is None:
-                return super().run_node(n)
-            with record_function(label):
-                return super().run_node(n)
+        runs.append((Ranged(g.gm), [g.values[p] for p in g.placeholders]))
 
-    args = [g.values[p] for p in g.placeholders]
-    runner = Ranged(g.gm)
+    def run_all():
+        for runner, args in runs:
+            runner.run(*args)
+
     with torch.no_grad():
         for _ in range(2):
-            runner.run(*args)
+            run_all()
         if cuda:
             torch.cuda.synchronize()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(iters):
-                runner.run(*args)
+                run_all()
             if cuda:
                 torch.cuda.synchronize()
     per: dict[str, float] = {}
@@ -343,13 +542,14 @@ def profile(result: TraceResult, iters: int = 5) -> dict[str, Any]:
     for r in result.regions:
         r.seconds = per.get(f"forge_region_{r.index}", 0.0) / 1e6
     for u in result.unmatched:
-        u.seconds = per.get(f"forge_other_{u.node.name}", 0.0) / 1e6
+        u.seconds = per.get(_other_label(u), 0.0) / 1e6
     frac = {r.index: (r.seconds * 1e6 / total if total else 0.0) for r in result.regions}
     sped = sum(frac[r.index] / (r.speedup or 1.0) for r in result.regions)
     covered = sum(frac.values())
     estimate = 1.0 / ((1.0 - covered) + sped) if total else None
     result.profile = {"clock": "device (CUDA kernels)" if cuda else "host CPU", "iters": iters,
-                      "total_us": total, "covered_fraction": covered, "amdahl_speedup": estimate}
+                      "total_us": total, "covered_fraction": covered, "amdahl_speedup": estimate,
+                      "graphs": len(result.graphs)}
     return result.profile
 
 
@@ -360,84 +560,160 @@ def profile(result: TraceResult, iters: int = 5) -> dict[str, Any]:
 VERIFY_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 
-def swapped_module(result: TraceResult, cache, backend: str):
-    """A copy of the traced graph with each region that has a cached kernel replaced by that kernel.
-    Returns (GraphModule, {region index: 'kernel' | reason})."""
+def swapped_graphs(result: TraceResult, cache, backend: str) -> tuple[list, dict[int, str]]:
+    """A copy of each captured graph with each region that has a cached kernel replaced by that kernel.
+    Returns ([GraphModule per graph], {region index: 'kernel' | reason})."""
     import torch.fx as fx
 
     from forge.shim import load
 
-    g = result.graph
-    gm = fx.GraphModule(g.gm, g.gm.graph.__deepcopy__())
-    nodes = {n.name: n for n in gm.graph.nodes}
     status: dict[int, str] = {}
-    for r in result.regions:
-        if r.unsupported or r.shape is None:
-            status[r.index] = f"not tunable: {r.unsupported}"
-            continue
-        device = "cuda" if backend == "cuda" else "cpu"
-        try:
-            kernel = load(r.op, r.shape, r.dtype, device=device, cache=str(cache.path), **r.attrs)
-        except LookupError as exc:
-            status[r.index] = f"eager ({exc})"
-            continue
-        fam = ops.get(r.op).module
+    modules = []
+    for gi, g in enumerate(result.graphs):
+        gm = fx.GraphModule(g.gm, g.gm.graph.__deepcopy__())
+        nodes = {n.name: n for n in gm.graph.nodes}
+        for r in (r for r in result.regions if r.graph == gi):
+            if r.unsupported or r.shape is None:
+                status[r.index] = f"not tunable: {r.unsupported}"
+                continue
+            device = "cuda" if backend == "cuda" else "cpu"
+            try:
+                kernel = load(r.op, r.shape, r.dtype, device=device, cache=str(cache.path), **r.attrs)
+            except LookupError as exc:
+                status[r.index] = f"eager ({exc})"
+                continue
+            fam = ops.get(r.op).module
 
-        def call(*leaf_values, _k=kernel, _fam=fam, _idx=tuple(r.indices)):
-            picked = [leaf_values[i] if i is not None else None for i in _idx]
-            return _k(*_fam.fill_missing(picked))
+            def call(*leaf_values, _k=kernel, _fam=fam, _idx=tuple(r.indices)):
+                picked = [leaf_values[i] if i is not None else None for i in _idx]
+                return _k(*_fam.fill_missing(picked))
 
-        root = nodes[r.root.name]
-        leaf_args = []
-        for leaf in r.leaves:
-            if isinstance(leaf, str):  # a module parameter by qualified name
-                with gm.graph.inserting_before(root):
-                    leaf_args.append(gm.graph.get_attr(leaf))
-            else:
-                leaf_args.append(nodes[leaf.name])
-        with gm.graph.inserting_before(root):
-            new = gm.graph.call_function(call, tuple(leaf_args))
-        root.replace_all_uses_with(new)
-        status[r.index] = "kernel"
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm, status
+            root = nodes[r.root.name]
+            leaf_args = []
+            for leaf in r.leaves:
+                if isinstance(leaf, str):  # a module parameter by qualified name (a get_attr of the graph)
+                    with gm.graph.inserting_before(root):
+                        leaf_args.append(gm.graph.get_attr(leaf))
+                else:
+                    leaf_args.append(nodes[leaf.name])
+            with gm.graph.inserting_before(root):
+                new = gm.graph.call_function(call, tuple(leaf_args))
+            root.replace_all_uses_with(new)
+            status[r.index] = "kernel"
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        modules.append(gm)
+    return modules, status
+
+
+def _graph_key(gm, inputs) -> tuple:
+    """What identifies a captured graph across two captures: its code and its inputs' shapes/dtypes."""
+    import torch
+
+    metas = tuple((tuple(t.shape), str(t.dtype), t.device.type) if isinstance(t, torch.Tensor) else repr(t)
+                  for t in inputs)
+    return gm.code, metas
+
+
+def _tensor_leaves(out) -> list:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+
+def compare_outputs(ref, got) -> dict[str, Any]:
+    """Every tensor of the output (pytree leaves: a tensor, tuples, HF ModelOutputs) against eager: the
+    relative norm error of each floating tensor against its dtype's tolerance, other tensors exactly.
+    The worst tensor (error / tolerance) is reported."""
+    import torch
+
+    refs, gots = _tensor_leaves(ref), _tensor_leaves(got)
+    if not refs:
+        raise UsageError("--verify compares tensor outputs; the target returned none")
+    worst = None
+    ok = len(refs) == len(gots)
+    for r, g in zip(refs, gots, strict=False):
+        if r.shape != g.shape or r.dtype != g.dtype:
+            ok = False
+            continue
+        if not r.is_floating_point():
+            ok = ok and bool(torch.equal(r, g))
+            continue
+        dtype = dtype_name(r.dtype) if dtype_name(r.dtype) in DTYPES else "float32"
+        tol = VERIFY_TOL[dtype]
+        r64, g64 = r.double(), g.double()
+        finite = bool((torch.isfinite(g64) == torch.isfinite(r64)).all())
+        both = torch.isfinite(r64) & torch.isfinite(g64)
+        diff = torch.where(both, g64 - r64, torch.zeros_like(r64))
+        err = float(torch.linalg.vector_norm(diff)) / max(float(torch.linalg.vector_norm(
+            torch.where(both, r64, torch.zeros_like(r64)))), 1e-300)
+        max_abs = float(diff.abs().max()) if r.numel() else 0.0
+        ok = ok and finite and err <= tol
+        score = (err / tol) if finite else float("inf")
+        if worst is None or score > worst[0]:
+            worst = (score, err, max_abs, tol, dtype)
+    if worst is None:
+        worst = (0.0, 0.0, 0.0, 0.0, dtype_name(refs[0].dtype))
+    _, err, max_abs, tol, dtype = worst
+    return {"ok": ok, "rel_error": err, "max_abs_error": max_abs, "tolerance": tol, "dtype": dtype,
+            "tensors": len(refs)}
 
 
 def verify(result: TraceResult, cache, backend: str, iters: int = 20) -> dict[str, Any]:
+    """Run the target under TorchDynamo again, each captured graph swapped for its copy with the cached
+    kernels, and compare with eager end to end. The second capture must give the graphs the first did
+    (same code, same input shapes); where it does not, this says it cannot verify (a usage error)
+    rather than compare a run that did not use the swapped graphs."""
     import torch
 
-    g = result.graph
-    gm, status = swapped_module(result, cache, backend)
-    args = [g.values[p] for p in g.placeholders]
+    modules, status = swapped_graphs(result, cache, backend)
+    table: dict = {}
+    for g, gm in zip(result.graphs, modules, strict=True):
+        table.setdefault(_graph_key(g.gm, [g.values[p] for p in g.placeholders]), gm)
+    used: set = set()
+    unknown: list[str] = []
+
+    def swap(gm, example_inputs):
+        key = _graph_key(gm, example_inputs)
+        if key not in table:
+            unknown.append(f"{len(list(gm.graph.nodes))} nodes")
+            return gm.forward
+        used.add(key)
+        return table[key].forward
+
+    target = result.target
     with torch.no_grad():
-        ref = result.target.fn(*result.target.args)
-        got = gm(*args)
-    if not isinstance(ref, torch.Tensor) or not isinstance(got, torch.Tensor):
-        raise UsageError("--verify compares single-tensor outputs only")
-    dtype = dtype_name(ref.dtype) if dtype_name(ref.dtype) in DTYPES else "float32"
-    rel_tol = VERIFY_TOL[dtype]
-    r64, g64 = ref.double(), got.double()
-    err = float(torch.linalg.vector_norm(g64 - r64)) / max(float(torch.linalg.vector_norm(r64)), 1e-300)
-    max_abs = float((g64 - r64).abs().max()) if ref.numel() else 0.0
-    ok = bool(torch.isfinite(g64).all() == torch.isfinite(r64).all()) and err <= rel_tol
+        ref = target.fn(*target.args)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(target.fn, backend=swap, dynamic=False, fullgraph=False)
+        with torch.no_grad(), _QuietDynamo():
+            got = compiled(*target.args)
+        if unknown or used != set(table):
+            raise UsageError(f"--verify: cannot verify: capturing {target.description} again gave other graphs "
+                             f"({len(unknown)} not seen before, {len(set(table) - used)} of the first capture "
+                             "not run), so the swapped kernels would not be what runs")
+        cmp = compare_outputs(ref, got)
 
-    def timed(fn) -> float:
-        with torch.no_grad():
-            for _ in range(3):
-                fn()
-            if backend == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            if backend == "cuda":
-                torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / iters * 1e6
+        def timed(fn) -> float:
+            with torch.no_grad():
+                for _ in range(3):
+                    fn()
+                if backend == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                if backend == "cuda":
+                    torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / iters * 1e6
 
-    eager_us = timed(lambda: result.target.fn(*result.target.args))
-    forge_us = timed(lambda: gm(*args))
-    return {"ok": ok, "rel_error": err, "max_abs_error": max_abs, "tolerance": rel_tol, "dtype": dtype,
-            "eager_us": eager_us, "forge_us": forge_us, "speedup": eager_us / forge_us if forge_us else None,
-            "regions": {str(k): v for k, v in status.items()},
-            "swapped": sum(v == "kernel" for v in status.values()), "clock": "host wall time per call"}
+        eager_us = timed(lambda: target.fn(*target.args))
+        forge_us = timed(lambda: compiled(*target.args))
+    finally:
+        torch._dynamo.reset()
+    return {**cmp, "eager_us": eager_us, "forge_us": forge_us, "speedup": eager_us / forge_us if forge_us else None,
+            "regions": {str(k): v for k, v in status.items()}, "graphs": len(result.graphs),
+            "swapped": sum(v == "kernel" for v in status.values()),
+            "clock": "host wall time per call (the forge run under TorchDynamo)"}

@@ -4,6 +4,8 @@ fails to write is caught. NaN never passes."""
 
 from __future__ import annotations
 
+import math
+
 from forge.opkit import DISTRIBUTIONS, Tolerance
 
 
@@ -20,47 +22,104 @@ def run_candidate(opmod, module, inputs, out, attrs, sync) -> None:
         raise CandidateRaised(str(exc)) from exc
 
 
+# Elements compare() takes at once: its float64 copies, differences, bounds and masks of one chunk take
+# ~COMPARE_BYTES_PER_ELEMENT each, ~0.5 GiB per chunk, whatever the size of the output.
+COMPARE_CHUNK = 1 << 23
+COMPARE_BYTES_PER_ELEMENT = 64
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    idx = []
+    for size in reversed(shape):
+        idx.append(flat % size)
+        flat //= size
+    return tuple(reversed(idx))
+
+
 def compare(out, ref, tol: Tolerance) -> str | None:
-    """None if `out` matches `ref` within `tol`, else a one-line reason."""
+    """None if `out` matches `ref` within `tol`, else a one-line reason.
+
+    Chunk by chunk over the flattened tensors (COMPARE_CHUNK elements), on the device that produced them
+    (copying 100M+ elements to the host took seconds), so its float64 temporaries stay bounded; the
+    verdict and the message are those of the whole tensors: NaN in the output first, then NaN in the
+    reference, then mismatched infinities, then the norm-wise and element-wise bounds over the finite
+    reference values."""
     import torch
 
     if tuple(out.shape) != tuple(ref.shape):
         return f"shape {tuple(out.shape)} != expected {tuple(ref.shape)}"
+    shape = tuple(out.shape)
+    numel = out.numel()
+    out_flat, ref_flat = out.detach().reshape(-1), ref.detach().reshape(-1)
+    chunks = range(0, numel, COMPARE_CHUNK)
     if not out.dtype.is_floating_point:  # indices (argmax): exact, no tolerance
-        r = ref.detach().to(device=out.device, dtype=out.dtype)
-        wrong = out != r
-        if wrong.any():
-            idx = tuple(int(i) for i in wrong.nonzero()[0])
-            return (f"{int(wrong.sum())} of {out.numel()} elements differ (integer output, exact match "
-                    f"required; e.g. at {idx}: got {out[idx].item()}, expected {r[idx].item()})")
+        n_wrong, first = 0, None
+        for s in chunks:
+            o = out_flat[s:s + COMPARE_CHUNK]
+            r = ref_flat[s:s + COMPARE_CHUNK].to(device=o.device, dtype=o.dtype)
+            wrong = o != r
+            k = int(wrong.sum())
+            if k and first is None:
+                i = int(wrong.nonzero()[0])
+                first = (_unravel(s + i, shape), o[i].item(), r[i].item())
+            n_wrong += k
+        if first is not None:
+            idx, got, want = first
+            return (f"{n_wrong} of {numel} elements differ (integer output, exact match "
+                    f"required; e.g. at {idx}: got {got}, expected {want})")
         return None
-    # Compared on the device that produced them: copying 100M+ elements to the host took seconds.
-    o = out.detach().to(torch.float64)
-    r = ref.detach().to(device=o.device, dtype=torch.float64)
-    nan = torch.isnan(o)
-    if nan.any():
-        idx = tuple(int(i) for i in nan.nonzero()[0])
-        return f"NaN in output ({int(nan.sum())} of {o.numel()} elements, first at {idx})"
-    # Infinities must match exactly (e.g. an op whose true result overflows); finite values by tolerance.
-    if torch.isnan(r).any():
+    n_nan, first_nan, ref_nan, inf_bad = 0, None, False, None
+    diff_sq = ref_sq = 0.0
+    n_bad, worst, first_bad = 0, 0.0, None
+    for s in chunks:
+        o = out_flat[s:s + COMPARE_CHUNK].to(torch.float64)
+        r = ref_flat[s:s + COMPARE_CHUNK].to(device=o.device, dtype=torch.float64)
+        nan = torch.isnan(o)
+        k = int(nan.sum())
+        if k and first_nan is None:
+            first_nan = s + int(nan.nonzero()[0])
+        n_nan += k
+        if n_nan or ref_nan:
+            continue  # the verdict is decided; only the output's NaN count still grows
+        if torch.isnan(r).any():
+            ref_nan = True
+            continue
+        if inf_bad is not None:
+            continue
+        # Infinities must match exactly (e.g. an op whose true result overflows); finite values by tolerance.
+        inf_mismatch = (torch.isinf(o) | torch.isinf(r)) & (o != r)  # +inf vs -inf is a mismatch too
+        if inf_mismatch.any():
+            i = int(inf_mismatch.nonzero()[0])
+            inf_bad = (s + i, o[i].item(), r[i].item())
+            continue
+        finite = torch.isfinite(r)
+        o, r = o[finite], r[finite]
+        err = (o - r).abs()
+        diff_sq += float(torch.sum(err * err))
+        ref_sq += float(torch.sum(r * r))
+        bad = err > tol.atol + tol.rtol * r.abs()
+        k = int(bad.sum())
+        if k and first_bad is None:
+            i = int(bad.nonzero()[0])
+            first_bad = (o[i].item(), r[i].item())
+        n_bad += k
+        if err.numel():
+            worst = max(worst, float(err.max()))
+        del o, r, nan, err, bad, finite
+    if n_nan:
+        return f"NaN in output ({n_nan} of {numel} elements, first at {_unravel(first_nan, shape)})"
+    if ref_nan:
         return "the oracle produced NaN: these inputs are outside the op's domain (a bug in the op file)"
-    inf_mismatch = (torch.isinf(o) | torch.isinf(r)) & (o != r)  # +inf vs -inf is a mismatch too
-    if inf_mismatch.any():
-        idx = tuple(int(i) for i in inf_mismatch.nonzero()[0])
-        return f"infinity mismatch at {idx}: got {o[idx].item()}, expected {r[idx].item()}"
-    finite = torch.isfinite(r)
-    o, r = o[finite], r[finite]
-    err = (o - r).abs()
-    ref_norm = float(torch.linalg.vector_norm(r))
-    rel = float(torch.linalg.vector_norm(o - r)) / max(ref_norm, 1e-300)
+    if inf_bad is not None:
+        i, got, want = inf_bad
+        return f"infinity mismatch at {_unravel(i, shape)}: got {got}, expected {want}"
+    rel = math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-300)
     if rel > tol.rel_norm:
         return f"relative error {rel:.3g} > {tol.rel_norm:g}"
-    bound = tol.atol + tol.rtol * r.abs()
-    bad = err > bound
-    if bad.any():
-        i = int(bad.nonzero()[0])
-        return (f"{int(bad.sum())} elements outside atol={tol.atol:g} rtol={tol.rtol:g} "
-                f"(worst |err| {float(err.max()):.3g}; e.g. got {o[i].item():.6g}, expected {r[i].item():.6g})")
+    if n_bad:
+        got, want = first_bad
+        return (f"{n_bad} elements outside atol={tol.atol:g} rtol={tol.rtol:g} "
+                f"(worst |err| {worst:.3g}; e.g. got {got:.6g}, expected {want:.6g})")
     return None
 
 
@@ -91,6 +150,8 @@ def check_candidate(opmod, module, spec, seed: int, sync) -> str | None:
         with torch.no_grad():
             ref = opmod.oracle(inputs, spec.attrs)
         reason = compare(out, ref, tol)
+        # Freed before the next distribution's inputs are made: one distribution's tensors at a time.
+        del inputs, out, ref
         if reason is not None:
             return f"{dist} inputs: {reason}"
     return None

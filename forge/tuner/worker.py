@@ -4,7 +4,11 @@ Started as `python -m forge.tuner.worker FD BACKEND` by forge/tuner/pool.py (a f
 forked from a parent that may hold a CUDA context). Protocol: the parent sends dicts over a
 Connection on inherited fd FD, the worker answers one dict per request.
 Everything a candidate does wrong comes back as a value: {"status": ..., "reason": ...}. A CUDA error
-poisons the context, so after reporting one the worker exits and the parent starts a fresh one.
+poisons the context, so after reporting one the worker exits and the parent starts a fresh one; so does
+an out-of-memory, whose reply says where it happened ("stage": the candidate's code, or forge's own).
+Memory goes back between requests: garbage collected (large specs, failures) and the CUDA caching
+allocator emptied after every validate and time request; the timing sets and graphs at the next setup.
+Requests: setup, validate, time, memory (the free bytes as this worker sees them), exit.
 
 Nothing heavy is imported at module level: TRITON_INTERPRET must be set before triton is imported.
 """
@@ -52,18 +56,24 @@ READY, INTERNAL = "ready", "internal"
 def _is_oom(exc: BaseException | None) -> bool:
     """Out of host or device memory: MemoryError, torch.OutOfMemoryError (CUDA), or the CPU allocator's
     RuntimeError, itself or as the cause of what was raised (timing wraps failures in CandidateRaised)."""
-    while exc is not None:
-        text = str(exc).lower()
-        if (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-                or (isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))):
-            return True
-        exc = exc.__cause__
-    return False
+    from forge.tuner.memory import is_oom
+
+    return is_oom(exc)
 
 
-def _oom_reply(exc: BaseException) -> dict:
+# Where an out-of-memory happened ("stage" of an oom reply): in the candidate's own code (its outcome), or
+# in forge's: the validation inputs, float64 oracle or comparison; the eager baseline; the timing sets.
+# Only the first is the candidate's; the engine fails the search (exit 3) with the numbers for the others.
+# "forge": somewhere else in forge's handling of a request.
+CANDIDATE, VALIDATION, EAGER, TIMING, FORGE = "candidate", "validation", "eager", "timing", "forge"
+# Inputs at least this large: garbage is collected after every request (below it, reference counting
+# frees the tensors; gc.collect costs ~30-70 ms with torch and triton loaded).
+COLLECT_BYTES = 64 << 20
+
+
+def _oom_reply(exc: BaseException, stage: str = CANDIDATE) -> dict:
     # The worker exits after replying: a fresh one does not carry the fragmented allocator.
-    return {"status": Status.OOM, "reason": f"out of memory: {_short(exc)}", "poisoned": True}
+    return {"status": Status.OOM, "reason": f"out of memory: {_short(exc)}", "poisoned": True, "stage": stage}
 
 
 class Session:
@@ -73,18 +83,37 @@ class Session:
         self.spec = None
         self.bench = None
         self.modules: dict[str, Any] = {}
+        self.large = False  # the spec's inputs are large enough to collect garbage after every request
 
     # -- requests ---------------------------------------------------------------------------------
     def setup(self, msg: dict) -> dict:
         from forge import ops
         from forge.spec import KernelSpec
+        from forge.tuner import memory
 
+        # The previous spec's timing sets, CUDA graphs and modules go, and their memory back to the device.
+        self.bench = None
+        self.modules.clear()
+        memory.give_back(self.backend)
         self.op = ops.get(msg["op"]).module
         self.spec = KernelSpec.from_dict(msg["spec"])
         self.seed = int(msg.get("seed", 0))
-        self.bench = None
-        self.modules.clear()
+        self.large = sum(t.nbytes for t in self.spec.inputs) >= COLLECT_BYTES
         return {"status": Status.OK}
+
+    def memory(self, msg: dict) -> dict:
+        """The free and total bytes of the memory candidates run in, as this worker sees them now."""
+        from forge.tuner import memory
+
+        memory.give_back(self.backend, collect=False)
+        free, total = memory.free_memory(self.backend)
+        return {"status": Status.OK, "free": free, "total": total}
+
+    def give_back(self, reply: dict) -> None:
+        """After a request: what it allocated goes back (the timing sets stay until the next setup)."""
+        from forge.tuner import memory
+
+        memory.give_back(self.backend, collect=self.large or reply.get("status") != Status.OK)
 
     def _load(self, path: str):
         from forge.loader import load_module
@@ -110,6 +139,10 @@ class Session:
             reason = check_candidate(self.op, module, self.spec, self.seed, self._sync)
         except CandidateRaised as exc:
             return self._failure(exc.__cause__ or exc)
+        except Exception as exc:  # noqa: BLE001 - forge's inputs, oracle or comparison
+            if _is_oom(exc):  # not the candidate's: the engine decides (fewer lanes, or exit 3)
+                return _oom_reply(exc, VALIDATION)
+            raise
         if reason is not None:
             return {"status": Status.MISMATCH, "reason": reason}
         return {"status": Status.OK}
@@ -130,11 +163,21 @@ class Session:
         from forge.tuner.validate import CandidateRaised
 
         if self.bench is None:
-            self.bench = Bench(self.op, self.spec, self.backend, self.seed)
+            try:
+                self.bench = Bench(self.op, self.spec, self.backend, self.seed)
+            except Exception as exc:  # noqa: BLE001 - forge's timing sets
+                if _is_oom(exc):
+                    return _oom_reply(exc, TIMING)
+                raise
         bench = self.bench
         samplers = {}
         if msg.get("baseline"):
-            samplers["eager"] = bench.prepare(bench.baseline_fn())
+            try:
+                samplers["eager"] = bench.prepare(bench.baseline_fn())
+            except CandidateRaised as exc:  # eager failed: forge's problem, never a candidate's
+                if _is_oom(exc):
+                    return _oom_reply(exc.__cause__ or exc, EAGER)
+                raise
         for path in msg["paths"]:
             try:
                 samplers[path] = bench.prepare(bench.candidate_fn(self._load(path)))
@@ -179,7 +222,8 @@ def main(conn, backend: str) -> None:
         torch.zeros(1, device="cuda")  # create the context now, not inside the first candidate
     session = Session(backend)
     conn.send({"status": READY, "pid": os.getpid()})
-    handlers = {"setup": session.setup, "validate": session.validate, "time": session.time}
+    handlers = {"setup": session.setup, "validate": session.validate, "time": session.time,
+                "memory": session.memory}
     while True:
         try:
             msg = conn.recv()
@@ -191,11 +235,13 @@ def main(conn, backend: str) -> None:
             reply = handlers[msg["cmd"]](msg)
         except Exception as exc:  # noqa: BLE001 - forge's own failure: report it with the traceback
             if _is_oom(exc):  # allocating inputs, outputs or the oracle: an outcome, not a bug in forge
-                reply = _oom_reply(exc)
+                reply = _oom_reply(exc, FORGE)
             elif _is_cuda_error(exc):
                 reply = {"status": Status.CUDA_ERROR, "reason": _short(exc), "poisoned": True}
             else:
                 reply = {"status": INTERNAL, "reason": traceback.format_exc()}
+        if not reply.get("poisoned") and msg["cmd"] in ("validate", "time"):
+            session.give_back(reply)
         conn.send(reply)
         if reply.get("poisoned"):
             sys.stdout.flush()

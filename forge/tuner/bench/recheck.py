@@ -14,7 +14,7 @@ from forge import ops
 from forge.cache import Cache, Entry
 from forge.env import collect_env
 from forge.loader import write_source
-from forge.tuner import engine, stats
+from forge.tuner import engine, memory, stats
 from forge.tuner.bench._common import Events
 from forge.tuner.bench.run import BenchOptions
 from forge.tuner.bench.targets import Target, prepare_backend
@@ -28,7 +28,8 @@ RECHECK_SEED_OFFSET = 1
 @dataclass
 class RecheckResult:
     target: Target
-    status: Status = Status.PENDING  # ok | drifted | invalid (also: refused by verify_entry) | sha256-mismatch | ...
+    # ok | drifted | invalid (also: refused by verify_entry) | sha256-mismatch | oom (not judged) | ...
+    status: Status = Status.PENDING
     reason: str | None = None
     new_kernel: stats.Quantiles | None = None
     new_baseline: stats.Quantiles | None = None
@@ -91,6 +92,15 @@ def _env_mismatch(entry: Entry, here: keys.Located) -> str | None:
     return f"made for another environment ({', '.join(diff) or 'spec'} differ): forge does not serve it here"
 
 
+def _oom_reason(what: str, reply: dict, entry: Entry) -> str:
+    from forge.spec import KernelSpec
+
+    whose = "the cached kernel" if reply.get("stage", "candidate") == "candidate" else "forge (inputs, oracle or eager)"
+    fp = memory.estimate(ops.get(entry.op).module, KernelSpec.from_dict(entry.spec))
+    return (f"{what} ran out of memory in {whose}: {reply.get('reason')} [forge estimates {fp.describe()}]; "
+            "not judged: recheck with more free memory")
+
+
 def _recheck_one(r: RecheckResult, backend: str, pools: engine.Pools, src_dir: Path,
                  opts: BenchOptions, emit: Events) -> None:
     t, e = r.target, r.target.entry
@@ -122,6 +132,9 @@ def _recheck_one(r: RecheckResult, backend: str, pools: engine.Pools, src_dir: P
     pool = pools.get(backend, 1, setup)
     emit("recheck-validate", target=t)
     reply = pool.call({"cmd": "validate", "path": path}, opts.timeout)
+    if reply.get("status") == Status.OOM:  # an outcome, not proof that the cached kernel is wrong
+        r.status, r.reason = Status.OOM, _oom_reason("validating", reply, e)
+        return
     if reply.get("status") != Status.OK:
         r.status, r.reason = Status.INVALID, f"validation now fails ({reply.get('status')}): {reply.get('reason')}"
         return
@@ -129,6 +142,9 @@ def _recheck_one(r: RecheckResult, backend: str, pools: engine.Pools, src_dir: P
     rounds = opts.rounds or sampling.final_rounds
     reply = pool.call({"cmd": "time", "paths": [path], "baseline": True, "rounds": rounds, "reps": 1,
                        "settle_ms": sampling.settle_ms}, opts.timeout * 2)
+    if reply.get("status") == Status.OOM:
+        r.status, r.reason = Status.OOM, _oom_reason("re-timing", reply, e)
+        return
     if reply.get("status") != Status.OK:
         r.status, r.reason = Status.INVALID, f"validates but fails while being timed ({reply.get('status')}): " \
                                              f"{reply.get('reason')}"

@@ -15,7 +15,7 @@ from forge.cache import Cache
 from forge.env import collect_env
 from forge.loader import load_module, write_source
 from forge.spec import KernelSpec
-from forge.tuner import engine, stats
+from forge.tuner import engine, memory, stats
 from forge.tuner.bench import contestants as refs
 from forge.tuner.bench._common import Events, _fmt_params, _short
 from forge.tuner.bench.peaks import Peaks, device_peaks
@@ -44,7 +44,8 @@ class BenchOptions:
 class ContestantResult:
     name: str
     label: str
-    status: Status = Status.PENDING  # ok | mismatch | error | skipped | refused (forge: fails verify_entry)
+    # ok | mismatch | error | oom | skipped | refused (forge: fails verify_entry)
+    status: Status = Status.PENDING
     reason: str | None = None
     clock: str | None = None  # cuda-graph | cuda-events | host
     note: str | None = None
@@ -221,29 +222,63 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
     return out
 
 
-def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed: int, sync: Callable) -> None:
+def _memory_note(opmod, spec: KernelSpec, backend: str) -> str:
+    """The numbers an out-of-memory outcome is reported with: forge's estimate and the free memory now."""
+    free, total = memory.free_memory(backend)
+    where = "the GPU" if backend == "cuda" else "this host"
+    have = (f"{memory.gib(free)} of {memory.gib(total)} free on {where}" if free is not None and total
+            else "free memory unknown")
+    return f"forge estimates {memory.estimate(opmod, spec).describe()}; {have}"
+
+
+def _out_of_memory(c: ContestantResult, exc: BaseException, opmod, spec: KernelSpec, backend: str,
+                   what: str = "out of memory") -> None:
+    c.status, c.reason = Status.OOM, f"{what}: {_short(exc)} [{_memory_note(opmod, spec, backend)}]"
+
+
+def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed: int, sync: Callable,
+              backend: str = "cuda") -> None:
     """Run each pending contestant once on fresh inputs (a private clone each, so one that writes into
-    its inputs cannot affect the next) and compare with the float64 oracle."""
+    its inputs cannot affect the next) and compare with the float64 oracle. Out of memory is an outcome:
+    a contestant's own is its status oom; forge's (the inputs, the oracle) leaves every pending contestant
+    oom, not validated and not timed, with the numbers."""
     import torch
 
     from forge.tuner.validate import compare
 
-    inputs = opmod.make_inputs(spec, seed + BENCH_VALIDATION_SEED, "normal")
-    with torch.no_grad():
-        ref = opmod.oracle(inputs, spec.attrs)
+    pending = [c for c in contestants if c.status == Status.PENDING]
+    try:
+        inputs = opmod.make_inputs(spec, seed + BENCH_VALIDATION_SEED, "normal")
+        with torch.no_grad():
+            ref = opmod.oracle(inputs, spec.attrs)
+    except Exception as exc:
+        if not memory.is_oom(exc):
+            raise
+        inputs = ref = None
+        memory.give_back(backend)
+        for c in pending:
+            _out_of_memory(c, exc, opmod, spec, backend, "not validated, not timed: forge's validation inputs or "
+                           "float64 oracle ran out of memory (bench a smaller shape, or free the memory other "
+                           "processes hold)")
+        return
     tol = opmod.tolerance(spec.dtype)
-    for c in contestants:
-        if c.status != Status.PENDING:
-            continue
+    for c in pending:
         try:
             res = c.call(tuple(t.clone() for t in inputs))
             sync()
         except Exception as exc:  # noqa: BLE001 - a contestant may raise anything (compile errors too)
-            c.status, c.reason = Status.ERROR, _short(exc)
+            if memory.is_oom(exc):
+                memory.give_back(backend)
+                _out_of_memory(c, exc, opmod, spec, backend)
+            else:
+                c.status, c.reason = Status.ERROR, _short(exc)
             continue
         reason = compare(res, ref, tol)
+        del res
         if reason is not None:
             c.status, c.reason = Status.MISMATCH, f"does not match the float64 oracle, not timed: {reason}"
+    del inputs, ref
+    memory.give_back(backend)
 
 
 def _event_sampler(bench, fn: Callable[[int], None]) -> Callable[[], float]:
@@ -276,12 +311,25 @@ def _time(contestants: list[ContestantResult], opmod, spec: KernelSpec, backend:
     for c in contestants:
         if c.status != Status.PENDING:
             continue
-        bench = Bench(opmod, spec, backend, opts.seed)  # private rotating input sets
+        try:
+            bench = Bench(opmod, spec, backend, opts.seed)  # private rotating input sets
+        except Exception as exc:
+            if not memory.is_oom(exc):
+                raise
+            memory.give_back(backend)
+            _out_of_memory(c, exc, opmod, spec, backend, "not timed: its timing sets ran out of memory")
+            continue
         fn = c.timing(bench)
         try:
             sampler = bench.prepare(fn)
             c.clock = "cuda-graph" if cuda else "host"
         except CandidateRaised as exc:
+            if memory.is_oom(exc):
+                del bench, fn
+                memory.give_back(backend)
+                _out_of_memory(c, exc.__cause__ or exc, opmod, spec, backend, "out of memory while being prepared "
+                               "for timing")
+                continue
             if not (cuda and str(exc).startswith("CUDA-graph timing failed")):
                 c.status, c.reason = Status.ERROR, ("failed while being prepared for timing: "
                                                     f"{_short(exc.__cause__ or exc)}")
@@ -304,7 +352,11 @@ def _time(contestants: list[ContestantResult], opmod, spec: KernelSpec, backend:
             try:
                 value = samplers[name][0]()
             except Exception as exc:  # noqa: BLE001 - a replay that fails part-way
-                by_name[name].status, by_name[name].reason = Status.ERROR, f"failed while being timed: {_short(exc)}"
+                if memory.is_oom(exc):
+                    _out_of_memory(by_name[name], exc, opmod, spec, backend, "out of memory while being timed")
+                else:
+                    by_name[name].status, by_name[name].reason = (Status.ERROR,
+                                                                  f"failed while being timed: {_short(exc)}")
                 del samplers[name]
                 continue
             if keep:
@@ -333,7 +385,7 @@ def bench_target(target: Target, backend: str, cache: Cache, peaks: Peaks, opts:
     res.contestants = _contestants(target, backend, Path(cache.path).parent / "kernels-src", opts)
     sync = torch.cuda.synchronize if backend == "cuda" else (lambda: None)
     emit("validating", target=target, contestants=[c.name for c in res.contestants if c.status == Status.PENDING])
-    _validate(res.contestants, opmod, spec, opts.seed, sync)
+    _validate(res.contestants, opmod, spec, opts.seed, sync, backend)
     emit("timing", target=target, contestants=[c.name for c in res.contestants if c.status == Status.PENDING])
     _time(res.contestants, opmod, spec, backend, opts, engine.SAMPLING[backend])
     eager = res.contestant("eager")
@@ -342,8 +394,7 @@ def bench_target(target: Target, backend: str, cache: Cache, peaks: Peaks, opts:
             continue
         c.speedup = stats.speedup(c.quantiles, eager.quantiles if eager else None)
         c.roofline = roofline_pct(res.model, c.quantiles.p50, peaks, spec.dtype)
-    if backend == "cuda":
-        torch.cuda.empty_cache()
+    memory.give_back(backend)  # the timing sets and graphs of this target, before the next one's
     res.seconds = time.monotonic() - t0
     return res
 

@@ -1,0 +1,582 @@
+"""`forge trace` captures with TorchDynamo: tiny Hugging Face Llama, GPT-2 and BERT built from configs
+(never from a hub), graph breaks (several graphs, each matched), data-dependent control flow that
+torch.fx cannot trace, distinct opaque values (silu(gate(x)) * up(x)), the canonical forms of
+Dynamo graphs (linear, addmm, layout, casts) and the exact numerics of casts: HF's LlamaRMSNorm is
+rmsnorm only where forge's kernel computes exactly what it does."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from collections import Counter
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing here may touch a hub
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from forge import codegen, ops  # noqa: E402
+from forge.errors import UsageError  # noqa: E402
+from forge.loader import load_module, write_source  # noqa: E402
+from forge.trace import TraceGraph, Untraceable, canonical  # noqa: E402
+from forge.tuner import manifest, tracetools  # noqa: E402
+from forge_cli import cli  # noqa: E402
+from tests.conftest import DEVICE  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+runner = CliRunner()
+
+IDS_SHAPE = (2, 16)
+LLAMA_CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
+GPT2_CFG = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=1)
+BERT_CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                max_position_embeddings=64)
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**LLAMA_CFG, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _ids():
+    return torch.randint(0, 128, IDS_SHAPE, generator=torch.Generator().manual_seed(1))
+
+
+def _trace(fn, *args, device="cpu"):
+    return tracetools.trace(tracetools.Target(fn, tuple(args), getattr(fn, "__name__", type(fn).__name__)), device)
+
+
+def _by_op(result) -> dict:
+    out: dict = {}
+    for r in result.regions:
+        out.setdefault(r.op, []).append(r)
+    return out
+
+
+def _counts(by: dict) -> Counter:
+    """Regions per op, leaving out the rotary embedding's inv_freq @ positions: transformers 5.17 writes
+    it as a matmul (a region), 5.24 as a broadcast product."""
+    assert set(by) <= {"rmsnorm", "rope", "sdpa", "silu_mul", "layer_norm", "gelu", "matmul"}, set(by)
+    assert len(by.get("matmul", [])) <= 1
+    return Counter({op: len(rs) for op, rs in by.items() if op != "matmul"})
+
+
+def _assert_hf_causal_sdpa(r) -> None:
+    """HF's causal attention: is_causal=True with no mask (transformers 5.24 on torch 2.13), or an explicit
+    causal mask tensor (transformers 5.17 on torch 2.11 builds one): recognised either way, with the reason
+    the kernel cannot take it yet."""
+    assert r.op == "sdpa" and r.attrs["scale"] == 0.25 and r.unsupported
+    assert r.attrs["causal"] or r.attrs.get("attn_mask") == "tensor", r.attrs
+
+
+def _assert_region_computes_its_node(result, r, rtol=1e-5, atol=1e-5):
+    """The op family's eager reference on the region's leaves gives the node's recorded value: the
+    region really is that op, with those inputs and attributes."""
+    g = result.graphs[r.graph]
+    leaves = [g.values[leaf] for leaf in r.leaves]
+    fam = ops.get(r.op).module
+    inputs = fam.fill_missing([leaves[i] if i is not None else None for i in r.indices])
+    want = g.values[r.root]
+    got = fam.reference(inputs, r.attrs)
+    assert got.shape == want.shape and got.dtype == want.dtype, (r.label, got.shape, want.shape)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+# -- Hugging Face models built from configs ----------------------------------------------------------
+def test_llama_rmsnorm_silu_mul_rope_and_sdpa_regions():
+    result = _trace(_llama(), _ids())
+    assert len(result.graphs) == 1 and result.breaks == []
+    by = _by_op(result)
+    assert _counts(by) == Counter(rmsnorm=5, rope=4, sdpa=2, silu_mul=2)
+
+    # RMSNorm (HF: weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype); in float32 every
+    # cast is a no-op): matched with its weight, shape and dtype from the captured example values.
+    norms = by["rmsnorm"]
+    assert all((r.shape, r.dtype, r.attrs, r.unsupported) == ((2, 16, 64), "float32", {"eps": 1e-6}, None)
+               for r in norms)
+    weights = sorted(name for r in norms for name in r.inputs if name.endswith("weight"))
+    assert weights == sorted([f"model.layers.{i}.{n}.weight" for i in range(2)
+                              for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"])
+    # The MLP: silu(gate_proj(x)) * up_proj(x), the two Linear outputs distinct inputs.
+    mlp = by["silu_mul"]
+    assert all((r.shape, r.dtype, r.unsupported) == ((2, 16, 128), "float32", None) for r in mlp)
+    assert all(len(set(r.leaves)) == 2 for r in mlp)
+    for r in norms + mlp:
+        _assert_region_computes_its_node(result, r)
+
+    # rope: q * cos + rotate_half(q) * sin with cos/sin (B, S, D) unsqueezed at dim 1: recognised, the
+    # layout named as the reason (the kernel takes (S, D) cos/sin).
+    for r in by["rope"]:
+        assert r.attrs == {"split": 8} and r.dtype == "float32"
+        assert r.unsupported.startswith("cos must be (S, D) = (16, 16), got (1, 1, 16, 16)")
+    # sdpa, HF's call: is_causal, scale and enable_gqa by keyword; q, k, v strided views of the projections.
+    for r in by["sdpa"]:
+        _assert_hf_causal_sdpa(r)
+        if "attn_mask" not in r.attrs:
+            assert r.attrs == {"causal": True, "scale": 0.25, "enable_gqa": True}
+            assert r.unsupported == "non-contiguous q, k or v"
+
+
+def test_gpt2_layer_norms_and_gelu_new():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_CFG, attn_implementation="sdpa")).eval()
+    result = _trace(model, _ids())
+    by = _by_op(result)
+    assert _counts(by) == Counter(layer_norm=5, gelu=2, sdpa=2)
+    for r in by["layer_norm"]:
+        assert (r.shape, r.dtype, r.attrs, r.unsupported) == ((2, 16, 64), "float32", {"eps": 1e-5}, None)
+        assert [n.rsplit(".", 1)[-1] for n in r.inputs[1:]] == ["weight", "bias"]
+    # gelu_new: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * torch.pow(x, 3.0)))), x = Conv1D's
+    # addmm(bias, x, W) viewed back to (B, S, 4 * n_embd)
+    for r in by["gelu"]:
+        assert (r.shape, r.dtype, r.attrs, r.unsupported) == ((2, 16, 256), "float32", {"approximate": "tanh"}, None)
+    for r in by["layer_norm"] + by["gelu"]:
+        _assert_region_computes_its_node(result, r)
+    for r in by["sdpa"]:
+        _assert_hf_causal_sdpa(r)
+        assert not r.attrs["enable_gqa"]
+    assert any(u.call == "function addmm" for u in result.unmatched)
+
+
+def test_bert_layer_norms_and_gelu():
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(**BERT_CFG, attn_implementation="sdpa")).eval()
+    result = _trace(model, _ids())
+    by = _by_op(result)
+    assert _counts(by) == Counter(layer_norm=5, gelu=2, sdpa=2)
+    assert all((r.shape, r.attrs, r.unsupported) == ((2, 16, 64), {"eps": 1e-12}, None) for r in by["layer_norm"])
+    assert all((r.shape, r.attrs) == ((2, 16, 128), {"approximate": "none"}) for r in by["gelu"])
+    for r in by["layer_norm"] + by["gelu"]:
+        _assert_region_computes_its_node(result, r)
+    assert all(r.attrs["causal"] is False for r in by["sdpa"])
+
+
+LLAMA_FILE = '''
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig({cfg}, attn_implementation="sdpa")).eval()
+
+
+def forward(input_ids):
+    return model(input_ids).logits
+
+
+def get_inputs():
+    return [torch.randint(0, 128, (2, 16))]
+'''
+
+
+@pytest.fixture
+def llama_file(tmp_path):
+    cfg = ", ".join(f"{k}={v!r}" for k, v in LLAMA_CFG.items())
+    path = tmp_path / "llama_model.py"
+    path.write_text(textwrap.dedent(LLAMA_FILE.format(cfg=cfg)))
+    return path
+
+
+def _cli_json(*args) -> dict:
+    res = runner.invoke(cli.app, ["trace", *map(str, args), "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_cli_traces_a_hf_model_file_function(llama_file, tmp_path):
+    out = tmp_path / "forge.toml"
+    doc = _cli_json(f"{llama_file}:forward", "--input", "2x16:int64", "--write-manifest", out, "--verify")
+    assert [(g["index"], g["regions"]) for g in doc["graphs"]] == [(0, len(doc["regions"]))]
+    assert doc["graph_breaks"] == {"count": 0, "reasons": []}
+    by: dict = {}
+    for r in doc["regions"]:
+        by.setdefault(r["op"], []).append(r)
+    assert _counts(by) == Counter(rmsnorm=5, rope=4, sdpa=2, silu_mul=2)
+    tunable = sorted({(r["op"], tuple(r["shape"]), r["dtype"]) for r in doc["regions"]
+                      if r["tunable"] and r["op"] != "matmul"})
+    assert tunable == [("rmsnorm", (2, 16, 64), "float32"), ("silu_mul", (2, 16, 128), "float32")]
+    assert all(r["reason"] for r in doc["regions"] if r["op"] in ("rope", "sdpa"))
+    # the weights the function's global `model` holds, by name
+    names = {n for r in doc["regions"] if r["op"] == "rmsnorm" for n in r["inputs"] if n.endswith("weight")}
+    assert names == {*(f"model.model.layers.{i}.{n}.weight" for i in range(2)
+                       for n in ("input_layernorm", "post_attention_layernorm")), "model.model.norm.weight"}
+    labels = [j.label for j in manifest.load(out, env={}).jobs if j.op != "matmul"]
+    assert labels == ["rmsnorm 2x16x64 float32 eps=1e-06", "silu_mul 2x16x128 float32"]
+    v = doc["verify"]  # nothing cached: every region runs eager, the capture replays exactly
+    assert v["ok"] and v["swapped"] == 0 and v["rel_error"] == 0.0 and v["graphs"] == 1
+
+
+def test_cli_module_instance_in_half_precision(llama_file):
+    """FILE.py:model names the nn.Module the file built; --dtype casts it. In float16 HF's RMSNorm rounds
+    twice (the normalised x to float16, then the product with the weight): forge's kernel rounds once,
+    so what matches is the normalisation alone, (x.float() * rsqrt(...)).to(float16), without the weight."""
+    doc = _cli_json(f"{llama_file}:model", "--dtype", "float16")
+    norms = [r for r in doc["regions"] if r["op"] == "rmsnorm"]
+    assert len(norms) == 5 and {(tuple(r["shape"]), r["dtype"]) for r in norms} == {((2, 16, 64), "float16")}
+    assert not any(name.endswith("weight") for r in norms for name in r["inputs"])
+    assert all(r["node"].startswith("to") for r in norms)  # rooted at the cast down, not at weight * (...)
+
+
+# -- graph breaks and control flow --------------------------------------------------------------------
+class TwoNorms(nn.Module):
+    def __init__(self, brk: str):
+        super().__init__()
+        self.brk = brk
+        self.n1 = nn.LayerNorm(32)
+        self.n2 = nn.LayerNorm(32)
+
+    def forward(self, x):
+        h = self.n1(x)
+        if self.brk == "print":
+            print("between the norms")
+        else:
+            torch._dynamo.graph_break()
+        return F.gelu(self.n2(h * 2.0))
+
+
+@pytest.mark.parametrize(("brk", "why"), [("print", "print"), ("graph_break", "graph_break()")])
+def test_graph_break_gives_two_graphs_each_matched(brk, why, capsys):
+    x = torch.randn(4, 32)
+    result = _trace(TwoNorms(brk).eval(), x)
+    assert len(result.graphs) == 2
+    assert len(result.breaks) == 1 and why in result.breaks[0], result.breaks
+    assert [(r.graph, r.op, r.shape) for r in result.regions] == [
+        (0, "layer_norm", (4, 32)), (1, "layer_norm", (4, 32)), (1, "gelu", (4, 32))]
+    assert [(u.graph, u.call) for u in result.unmatched] == [(1, "function mul")]
+    for r in result.regions:
+        _assert_region_computes_its_node(result, r)
+    # --profile runs every graph: each region gets time
+    p = tracetools.profile(result, iters=2)
+    assert p["graphs"] == 2 and all(r.seconds > 0 for r in result.regions)
+
+
+PROBLEM_WITH_PRINT = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n1 = nn.LayerNorm(32)
+        self.n2 = nn.LayerNorm(32)
+
+    def forward(self, x):
+        h = self.n1(x)
+        print("between the norms")
+        return F.gelu(self.n2(h * 2.0))
+
+
+def get_inputs():
+    return [torch.randn(4, 32)]
+'''
+
+
+def _fake_load(scale: float):
+    """forge.shim.load's stand-in: the op's eager reference as the 'kernel' (times `scale`)."""
+
+    def load(op, shape, dtype, device="cpu", cache=None, **attrs):
+        fam = ops.get(op).module
+        return lambda *t: fam.reference(t, attrs) * scale
+
+    return load
+
+
+def test_cli_graph_breaks_json_and_verify_swaps_in_every_graph(tmp_path, monkeypatch):
+    (tmp_path / "m.py").write_text(textwrap.dedent(PROBLEM_WITH_PRINT))
+    doc = _cli_json(tmp_path / "m.py")  # the model's print goes to stderr: stdout is the JSON alone
+    assert [g["regions"] for g in doc["graphs"]] == [1, 2] and doc["graph_breaks"]["count"] == 1
+    assert [(r["graph"], r["op"]) for r in doc["regions"]] == [(0, "layer_norm"), (1, "layer_norm"), (1, "gelu")]
+    res = runner.invoke(cli.app, ["trace", str(tmp_path / "m.py"), "--device", "cpu"])
+    assert res.exit_code == 0 and "2 graph(s)" in res.stdout and "1 graph break(s)" in res.stdout, res.output
+
+    import forge
+
+    monkeypatch.setattr(forge.shim, "load", _fake_load(1.0))
+    v = _cli_json(tmp_path / "m.py", "--verify")["verify"]
+    assert v["ok"] and v["swapped"] == 3 and v["graphs"] == 2 and v["rel_error"] < 1e-6, v
+    monkeypatch.setattr(forge.shim, "load", _fake_load(1.5))  # a wrong kernel in either graph is caught
+    res = runner.invoke(cli.app, ["trace", str(tmp_path / "m.py"), "--device", "cpu", "--verify"])
+    assert res.exit_code == 1 and "MISMATCH" in res.output
+
+
+def test_verify_says_it_cannot_when_the_second_capture_differs(tmp_path, monkeypatch):
+    (tmp_path / "m.py").write_text(textwrap.dedent(PROBLEM_WITH_PRINT))
+    seen = iter(range(1000))
+    monkeypatch.setattr(tracetools, "_graph_key", lambda gm, inputs: next(seen))  # every graph looks new
+    res = runner.invoke(cli.app, ["trace", str(tmp_path / "m.py"), "--device", "cpu", "--verify"])
+    assert res.exit_code == 2 and "cannot verify" in res.output and "match" not in res.stdout
+
+
+def branchy(x, w):
+    if x.sum() > 0:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    else:
+        y = -x
+    return torch.softmax(y, -1)
+
+
+def test_data_dependent_control_flow_is_captured():
+    x, w = torch.rand(4, 32) + 0.1, torch.rand(32) + 0.5
+    with pytest.raises(Untraceable, match="torch.fx could not trace it"):
+        TraceGraph(branchy, (x, w), {})
+    result = _trace(branchy, x, w)
+    assert len(result.graphs) == 2 and "Data-dependent branching" in result.breaks[0]
+    assert [(r.graph, r.op, r.shape, r.unsupported) for r in result.regions if r.graph == 1] == [
+        (1, "rmsnorm", (4, 32), None), (1, "softmax", (4, 32), None)]
+    assert result.regions[0].op == "reduce" and "all dimensions" in result.regions[0].unsupported  # x.sum()
+    for r in result.regions[1:]:
+        _assert_region_computes_its_node(result, r)
+    torch.testing.assert_close(result.graphs[1].output[0], branchy(x, w))
+
+
+def test_capture_leaves_no_compiled_state_and_reports_failures():
+    def f(x):
+        return torch.softmax(x * 2.0, -1)
+
+    result = _trace(f, torch.randn(3, 8))
+    assert [r.op for r in result.regions] == ["softmax"]
+    entries = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if entries is not None:
+        assert entries(f.__code__) == []
+
+    def broken(x):
+        return x @ torch.ones(5, 5)
+
+    with pytest.raises(UsageError, match="cannot trace: TorchDynamo could not capture it"):
+        _trace(broken, torch.randn(3, 4))
+
+
+# -- distinct opaque values ----------------------------------------------------------------------------
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(32, 64, bias=False)
+        self.up = nn.Linear(32, 64, bias=False)
+
+    def forward(self, x):
+        return F.silu(self.gate(x)) * self.up(x)
+
+
+def test_silu_of_one_linear_times_another_is_silu_mul():
+    torch.manual_seed(0)
+    model, x = Gated().eval(), torch.randn(4, 32)
+    result = _trace(model, x)
+    (r,) = result.regions
+    assert (r.op, r.shape, r.unsupported) == ("silu_mul", (4, 64), None)
+    a, b = (result.graphs[0].values[r.leaves[i]] for i in r.indices)
+    torch.testing.assert_close(a, model.gate(x).detach())
+    torch.testing.assert_close(b, model.up(x).detach())
+    _assert_region_computes_its_node(result, r)
+    # The fx path (the shim's trace) as well: the two Linear calls are two trees, not one opaque value.
+    g = TraceGraph(model, (x,), {})
+    regions, _ = tracetools.find_regions(g, "cpu")
+    assert [x.op for x in regions] == ["silu_mul"]
+    expr = canonical(model, (x,), {}).expr
+    silu = next(f for f in expr[1:] if f[0] == "silu")
+    lin = next(f for f in expr[1:] if f[0] == "linear")
+    assert silu[1][0] == "linear" and silu[1] != lin and silu[1][1] == lin[1]  # same x, different weights
+
+
+def test_opaque_values_keep_their_identity():
+    x = torch.randn(4, 8)
+
+    def two(x):
+        return torch.sigmoid(x.cumsum(-1)) * x.cumsum(0)
+
+    def one(x):
+        y = x.cumsum(-1)
+        return torch.sigmoid(y) * y
+
+    def once_twice(x):
+        return torch.sigmoid(x.cumsum(-1)) * x.cumsum(-1)  # the same call twice: two values (two nodes)
+
+    for fn, same in ((two, False), (one, True), (once_twice, False)):
+        expr = canonical(fn, (x,), {}).expr
+        sig = next(f for f in expr[1:] if f[0] == "sigmoid")
+        other = next(f for f in expr[1:] if f[0] == "opaque")
+        assert sig[1][0] == "opaque" and (sig[1] == other) is same, (fn.__name__, expr)
+
+
+# -- canonical forms of Dynamo graphs --------------------------------------------------------------------
+def _expr(fn, *args):
+    return canonical(fn, args, {}).expr
+
+
+def test_canonical_linear_addmm_layout_and_casts():
+    x, w, b, w2 = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6), torch.randn(8, 6)
+    assert _expr(lambda x, w, b: F.linear(x, w, b), x, w, b) == ("linear", ("input", 0), ("input", 1), ("input", 2))
+    assert _expr(lambda x, w: torch._C._nn.linear(x, w), x, w) == (
+        "linear", ("input", 0), ("input", 1), ("const", None))
+    assert _expr(lambda b, x, w: torch.addmm(b, x, w), b, x, w2) == (
+        "addmm", ("input", 0), ("input", 1), ("input", 2), ("const", 1), ("const", 1))
+    i0 = ("input", 0)
+    # views: one form whatever the spelling; nested views are one; a view to x's own shape is x
+    v = ("view", i0, ("const", (4, 1, 8)))
+    assert _expr(lambda x: x.unsqueeze(1), x) == v
+    assert _expr(lambda x: x.view(4, 1, 8), x) == v
+    assert _expr(lambda x: x.reshape(2, 2, 8).reshape(4, 1, 8), x) == v
+    assert _expr(lambda x: x[:, None], x) == v
+    assert _expr(lambda x: x.view(32).view(4, 8), x) == i0
+    assert _expr(lambda x: x[:, :], x) == i0
+    # permutes: transpose, permute, t, composed; the identity is x
+    p = ("permute", i0, ("const", (1, 0)))
+    assert _expr(lambda x: x.transpose(0, 1), x) == p == _expr(lambda x: x.t(), x)
+    assert _expr(lambda x: x.permute(1, 0), x) == p
+    assert _expr(lambda x: x.t().t(), x) == i0
+    y = torch.randn(2, 3, 4, 5)
+    assert _expr(lambda y: y.transpose(1, 2).permute(0, 2, 3, 1), y) == (
+        "permute", ("input", 0), ("const", (0, 1, 3, 2)))
+    # contiguous of a non-contiguous value stays; of a contiguous one it is x; expand
+    assert _expr(lambda x: x.t().contiguous(), x) == ("contiguous", p)
+    assert _expr(lambda x: x.contiguous(), x) == i0
+    assert _expr(lambda x: x[None].expand(3, 4, 8), x) == ("expand", ("view", i0, ("const", (1, 4, 8))),
+                                                          ("const", (3, 4, 8)))
+    # casts: by the result's dtype; no-ops fold; an exact widening round trip is x
+    h = x.half()
+    assert _expr(lambda x: x.float(), x) == i0
+    assert _expr(lambda x: x.to(torch.float32), x) == i0
+    assert _expr(lambda h: h.float(), h) == ("cast", i0, ("const", "float32"))
+    assert _expr(lambda h: h.to(torch.float32).half(), h) == i0
+    assert _expr(lambda h: h.float().bfloat16(), h) == ("cast", ("cast", i0, ("const", "float32")),
+                                                        ("const", "bfloat16"))
+    assert _expr(lambda x, h: x.type_as(h), x, h) == ("cast", i0, ("const", "float16"))
+    # F.dropout in eval is x; GPT-2's torch.pow(x, 3.0) is x * x * x
+    assert _expr(lambda x: F.dropout(x, 0.1, training=False), x) == i0
+    assert _expr(lambda x: torch.pow(x, 3.0), x) == ("mul", i0, i0, i0)
+
+
+def test_sdpa_keyword_spelling_of_hugging_face():
+    q = torch.randn(1, 4, 8, 16)
+    k = v = torch.randn(1, 2, 8, 16)
+    expr = _expr(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=0.25,
+                                                               is_causal=True, enable_gqa=True), q, k, v)
+    assert expr == ("sdpa", ("input", 0), ("input", 1), ("input", 2), ("const", None), ("const", 0.0),
+                    ("const", True), ("const", 0.25), ("const", True))
+    assert ops.get("sdpa").module.match(expr) == ([0, 1, 2], {"causal": True, "scale": 0.25, "enable_gqa": True})
+
+
+# -- exact numerics: HF LlamaRMSNorm --------------------------------------------------------------------
+def _rms_kernel(x, w, eps, tmp_path):
+    """What forge's rmsnorm kernel (the default candidate, on the interpreter or the GPU) returns."""
+    op = ops.get("rmsnorm")
+    spec = op.module.make_spec(tuple(x.shape), str(x.dtype).removeprefix("torch."), DEVICE, {"eps": eps})
+    module = load_module(write_source(codegen.render(op, spec, op.module.default(spec)), tmp_path))
+    out = op.module.alloc_output((x, w), spec)
+    op.module.run(module, (x.contiguous(), w.contiguous()), out, spec.attrs)
+    return out
+
+
+def _rounded(v32: torch.Tensor, dtype) -> torch.Tensor:
+    """fp32 -> dtype as the kernel's store rounds. The Triton interpreter converts float32 to bfloat16
+    by truncation (triton/runtime/interpreter.py, cast_impl); the GPU rounds to nearest even like torch."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        return (v32.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+    return v32.to(dtype)
+
+
+class OneRounding(nn.Module):
+    """The spelling forge's kernel computes exactly: float32 arithmetic, weight included, one rounding."""
+
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+class RsqrtRounded(nn.Module):
+    """A spelling the kernel cannot compute: the float32 rsqrt rounded to x's dtype, then products in it."""
+
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype) * self.weight
+
+
+def _norm(cls, dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    m = (LlamaRMSNorm if cls is None else cls)(64, eps=1e-6)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(64) * 0.5 + 1.0)
+    x = (torch.randn(2, 16, 64) * 3).to(DEVICE, dtype)
+    return m.to(DEVICE, dtype).eval(), x
+
+
+def _output_node(result):
+    out = result.graphs[0].output_node()
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+def test_hf_llama_rmsnorm_in_float32_is_rmsnorm_with_its_weight(tmp_path):
+    m, x = _norm(None, torch.float32)
+    result = _trace(m, x, device=DEVICE)
+    (r,) = result.regions
+    assert (r.op, r.shape, r.dtype, r.root) == ("rmsnorm", (2, 16, 64), "float32", _output_node(result))
+    assert sorted(r.inputs) == ["l_hidden_states_", "weight"] and None not in r.indices
+    with torch.no_grad():
+        torch.testing.assert_close(_rms_kernel(x, m.weight, 1e-6, tmp_path), m(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hf_llama_rmsnorm_in_half_rounds_twice_so_only_its_normalisation_matches(dtype, tmp_path):
+    m, x = _norm(None, dtype)
+    result = _trace(m, x, device=DEVICE)
+    (r,) = result.regions
+    # Not the module (weight * (...).to(dtype)): the region is (x.float() * rsqrt(...)).to(dtype), no weight.
+    assert (r.op, r.shape, r.dtype, r.indices[1]) == ("rmsnorm", (2, 16, 64), str(dtype)[6:], None)
+    assert r.root is not _output_node(result) and r.inputs == ["l_hidden_states_"]
+    assert [u.call for u in result.unmatched] == ["function mul"]  # weight * normalised, left eager
+    w = m.weight.detach()
+    k1 = _rms_kernel(x, torch.ones_like(w), 1e-6, tmp_path)
+    xf = x.float()
+    normalised = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)  # HF's float32 value
+    assert torch.equal(k1, _rounded(normalised, dtype))  # the region's value, as the kernel rounds it
+    with torch.no_grad():
+        hf = m(x)
+    if dtype == torch.float16 or DEVICE == "cuda":
+        assert torch.equal(w * k1, hf)  # swapping the region in reproduces the module exactly
+        # ... while the kernel with the weight (one rounding) would not: why the module is not rmsnorm
+        assert not torch.equal(_rms_kernel(x, w, 1e-6, tmp_path), hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_rounding_spelling_in_half_is_rmsnorm_exactly(dtype, tmp_path):
+    m, x = _norm(OneRounding, dtype)
+    result = _trace(m, x, device=DEVICE)
+    (r,) = result.regions
+    assert (r.op, r.dtype, r.root, r.unsupported) == ("rmsnorm", str(dtype)[6:], _output_node(result), None)
+    assert sorted(r.inputs) == ["l_x_", "weight"] and None not in r.indices
+    w = m.weight.detach()
+    xf = x.float()
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+    got = _rms_kernel(x, w, 1e-6, tmp_path)
+    assert torch.equal(got, _rounded(want, dtype))
+    if dtype == torch.float16 or DEVICE == "cuda":
+        with torch.no_grad():
+            assert torch.equal(got, m(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_spelling_the_kernel_cannot_compute_is_not_rmsnorm(dtype):
+    m, x = _norm(RsqrtRounded, dtype)
+    result = _trace(m, x, device=DEVICE)
+    assert "rmsnorm" not in [r.op for r in result.regions]
+    # in float32 every cast is a no-op, and it is rmsnorm
+    m32, x32 = _norm(RsqrtRounded, torch.float32)
+    assert [r.op for r in _trace(m32, x32, device=DEVICE).regions] == ["rmsnorm"]
