@@ -1,0 +1,203 @@
+"""Regions of a captured graph: which parts of a model's fx graph an op family computes.
+
+Walking the graph from the output backwards, at each not-yet-covered call node the largest region
+rooted there is tried first: (1) everything down to the graph's inputs (module parameters are
+inputs), then (2) cut at values used more than once (x in x * rsqrt(mean(x*x))), then (3) also cut
+at values no matcher looks into (linear / addmm / matmul / sdpa outputs, layout: view, permute,
+expand, contiguous; casts; opaque calls), then (4) only the node itself with its direct inputs as
+leaves (gelu(layer_norm(x)) is two regions). A cut never stops at an exact widening cast (x.float()
+of a half x): the region takes x, so a float32 computation rounded once to x's dtype matches as the
+op on x (forge/trace.py, exact numerics). The first match wins and its nodes are covered. Calls left
+uncovered are reported with why nothing matched. A matched region whose inputs the op's kernel
+cannot take (a layout, e.g. HF's transposed q/k/v or (B, 1, S, D) cos/sin; a dtype) is listed with
+the reason.
+
+Runtime layer: `forge trace` (the tuner) and the TorchDynamo backend (forge/backend.py) both read
+regions from here, so what trace reports is what the backend swaps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from forge import ops
+from forge.spec import DTYPES, dtype_name
+
+
+@dataclass
+class Region:
+    index: int
+    root: Any  # fx Node
+    nodes: list  # every node computed inside the region (root included)
+    leaves: list  # the region's inputs: fx Nodes or parameter names, in the matcher's numbering
+    op: str
+    indices: list  # matcher's picks: input index per op input (None = filled in by the op)
+    attrs: dict
+    shape: tuple | None = None
+    dtype: str | None = None
+    unsupported: str | None = None  # why forge cannot tune it (make_spec's reason)
+    decision: str | None = None  # from the cache: kernel | eager | None (not tuned)
+    speedup: float | None = None
+    seconds: float = 0.0  # --profile
+    graph: int = 0  # which captured graph (TraceResult.graphs) the region is in
+    inputs: list = field(default_factory=list)  # each leaf's name: a parameter's qualified name, else the node's
+
+    @property
+    def label(self) -> str:
+        attrs = " ".join(f"{k}={v}" for k, v in sorted(self.attrs.items()))
+        shape = "x".join(map(str, self.shape)) if self.shape else "?"
+        return f"{self.op} {shape} {self.dtype or '?'}" + (f" {attrs}" if attrs else "")
+
+
+@dataclass
+class Unmatched:
+    node: Any
+    call: str
+    shape: tuple
+    reason: str
+    seconds: float = 0.0
+    graph: int = 0
+
+
+def _call_nodes(graph) -> list:
+    import torch
+
+    return [n for n in graph.gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
+            and isinstance(graph.values.get(n), torch.Tensor)]
+
+
+def _region_nodes(root, leaves: set) -> list:
+    seen, stack = [], [root]
+    while stack:
+        n = stack.pop()
+        if n in seen or n in leaves or n.op in ("placeholder", "get_attr"):
+            continue
+        seen.append(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _describe_call(n) -> str:
+    t = n.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+    return f"{n.op.replace('call_', '')} {name}"
+
+
+def _through_upcasts(graph, nodes) -> frozenset:
+    """The cut `nodes` with each exact widening cast (x.float() of a half x) replaced by what it casts:
+    the region then takes x itself, and a float32 computation rounded once to x's dtype is recognised."""
+    out = set()
+    for n in nodes:
+        while (src := graph.upcast_source(n)) is not None:
+            n = src
+        out.add(n)
+    return frozenset(out)
+
+
+def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = None
+                 ) -> tuple[list[Region], list[Unmatched]]:
+    """Regions and unmatched calls of one graph. names: {id(tensor): qualified name} of the target's
+    parameters and buffers (Dynamo passes them as graph inputs), for Region.inputs."""
+    import torch
+
+    from forge.trace import BOUNDARY_HEADS, describe
+
+    families = [ops.get(name) for name in sorted(ops.available())]
+    calls = _call_nodes(graph)
+    covered: set = set()
+    regions: list[Region] = []
+    reasons: dict = {}
+    multi = frozenset(n for n in calls if len(n.users) > 1)
+    heads = graph.heads()
+    boundary = frozenset(n for n in calls if heads.get(n) in BOUNDARY_HEADS)
+    cut_multi = _through_upcasts(graph, multi)
+    cut_bound = _through_upcasts(graph, multi | boundary)
+    whole = graph.bounded()  # nodes whose whole tree is small enough to match with no cut
+    for n in reversed(calls):
+        if n in covered:
+            continue
+        direct = _through_upcasts(graph, {a for a in n.all_input_nodes if a.op.startswith("call_")})
+        found, tried = None, []
+        for cut in (frozenset(), cut_multi, cut_bound, direct):
+            if cut in tried or (not cut and n not in whole):
+                continue
+            tried.append(cut)
+            traced = graph.expr(n, cut=cut, number_args=False)
+            for fam in families:
+                m = getattr(fam.module, "match", None)
+                if m is not None and (res := m(traced.expr)) is not None:
+                    found = (fam, traced, *res)
+                    break
+            if found:
+                break
+            reasons[n] = f"no op family matches ({describe(traced.expr)})"
+        if not found:
+            continue
+        fam, traced, indices, attrs = found
+        leaf_nodes = {x for x in traced.leaves if not isinstance(x, str)}
+        region = Region(index=len(regions), root=n, nodes=_region_nodes(n, leaf_nodes), leaves=traced.leaves,
+                        op=fam.name, indices=list(indices), attrs=dict(attrs), graph=graph_index,
+                        inputs=[_leaf_name(leaf, t, names) for leaf, t in zip(traced.leaves, traced.tensors,
+                                                                              strict=True)])
+        covered.update(region.nodes)
+        picked = [traced.tensors[i] if i is not None else None for i in indices]
+        try:
+            inputs = fam.module.fill_missing(picked)
+            x = inputs[0]
+            dtype = dtype_name(x.dtype)
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype {x.dtype} is not supported")
+            problem = getattr(fam.module, "problem", None)
+            shape = tuple(problem(inputs, attrs)) if problem else tuple(x.shape)
+            spec = fam.module.make_spec(shape, dtype, "cuda" if device == "cuda" else "cpu", attrs)
+            actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
+            if actual != [(s.shape, s.dtype) for s in spec.inputs]:
+                raise ValueError(f"input shapes/dtypes {actual} do not fit {fam.name}'s kernel")
+            if any(not t.is_contiguous() for t in inputs):
+                raise ValueError("non-contiguous input")
+            region.shape, region.dtype, region.attrs = shape, dtype, dict(spec.attrs)
+        except ValueError as exc:
+            region.unsupported = str(exc)
+            first = dtype_name(picked[0].dtype) if isinstance(picked[0], torch.Tensor) else None
+            region.dtype = first if first in DTYPES else None
+        regions.append(region)
+    regions.sort(key=lambda r: calls.index(r.root))
+    for i, r in enumerate(regions):
+        r.index = i
+    for n in calls:
+        if heads.get(n) == "input":
+            reasons[n] = "a no-op here (returns its input's values: a cast to its own dtype, an identity view)"
+    unmatched = [Unmatched(n, _describe_call(n), tuple(graph.values[n].shape), reasons.get(n, "no op family matches"),
+                           graph=graph_index) for n in calls if n not in covered]
+    return regions, unmatched
+
+
+def _leaf_name(leaf, tensor, names: dict | None) -> str:
+    if isinstance(leaf, str):
+        return leaf
+    if names and id(tensor) in names:
+        return names[id(tensor)]
+    return leaf.name
+
+
+def param_names(fn) -> dict:
+    """{id(tensor): qualified name} for the parameters and buffers of the target: an nn.Module's own
+    names, or for a function the modules it reads by name (globals, closure) prefixed with that name."""
+    import torch
+
+    if isinstance(fn, torch.nn.Module):
+        modules = {"": fn}
+    else:
+        code = getattr(fn, "__code__", None)
+        scope = dict(getattr(fn, "__globals__", {}))
+        if code is not None and getattr(fn, "__closure__", None):
+            scope.update(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__), strict=False))
+        used = set(code.co_names) | set(code.co_freevars) if code is not None else set()
+        modules = {name: m for name, m in scope.items() if name in used and isinstance(m, torch.nn.Module)}
+    names: dict = {}
+    for prefix, mod in modules.items():
+        named = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
+        for name, t in named:  # the first name of a shared (tied) tensor
+            names.setdefault(id(t), f"{prefix}.{name}" if prefix else name)
+    return names
