@@ -45,8 +45,13 @@ class Explanation:
     # (recorded CompiledKernel launches replayed, forge/launch.py),
     # "jit" (Triton's JIT dispatch, with the reason the compiled path was refused), or None (not yet called).
     launch: str | None = None
+    # A function that is not one op runs through TorchDynamo with the forge backend (forge/backend.py):
+    # its report per region (a backend.ModelExplanation). uses == "regions" when a region runs a kernel.
+    model: Any = None
 
     def __str__(self) -> str:
+        if self.model is not None:
+            return f"{self.uses}: {self.reason}\n{self.model}"
         if self.uses == "kernel":
             how = f" (launch: {self.launch})" if self.launch else ""
             return (f"forge kernel {self.op}/{self.variant}({self.params}) [{self.key[:12]}]: "
@@ -205,8 +210,9 @@ class _Binding:
 
 class Optimized:
     def __init__(self, fn: Callable, *, budget: int = 50, search: bool = True, warn: bool = True,
-                 interpreter: bool | None = None, cache: str | os.PathLike | None = None):
+                 interpreter: bool | None = None, cache: str | os.PathLike | None = None, regions: bool = True):
         self.fn = fn
+        self.regions = regions
         self.budget = budget
         self.search = search
         self.warn = warn
@@ -272,6 +278,8 @@ class Optimized:
             if self._fast_ok and key != self._fast_key and key not in self._fast_off:
                 self._offer_fast(key, None, args, None)
             return self.fn(*args)
+        if type(binding) is _Regions:
+            return binding(self, key, args, kwargs)
         out = binding(tensors)
         if binding.plan is not None and self._fast_ok and key != self._fast_key and binding.fast != "off":
             self._offer_fast(key, binding, args, out)
@@ -330,6 +338,8 @@ class Optimized:
         binding, _ = hit
         if binding is None:
             return self.fn(*args, **kwargs)
+        if type(binding) is _Regions:
+            return binding(self, sig, args, kwargs)
         return binding(_tensor_args(self._sig, args, kwargs), root)
 
     # -- first call of a signature -----------------------------------------------------------------
@@ -339,6 +349,8 @@ class Optimized:
             sig += (self._extra_state(),)
         hit = self._bound.get(sig) or self._bind(sig, args, kwargs, allow_search=False, remember=False)
         binding, why = hit
+        if type(binding) is _Regions:
+            return binding.explain(why)
         if binding is not None and binding.launch is not None:
             launch = binding.launch
             if binding.fast == "C++" and sig == self._fast_key:
@@ -361,8 +373,22 @@ class Optimized:
                 self._bound[sig] = (binding, why)
             return binding, why
 
+    def _regions_or_eager(self, reason: str, args, kwargs, allow_search: bool):
+        """A function that is not one op: its regions through TorchDynamo and the forge backend
+        (forge/backend.py), when regions=True. A real call binds a _Regions (compiled on its first
+        call, dropped for eager if no region runs a kernel); explain() captures once without searching."""
+        if not self.regions:
+            return None, Explanation("eager", reason)
+        if allow_search:
+            return _Regions(self, reason), Explanation("regions", f"{reason}; its regions run through TorchDynamo "
+                                                       "with the forge backend (not yet called)")
+        report = _Regions(self, reason, dry_run=True).capture(args, kwargs)
+        if isinstance(report, str):
+            return None, Explanation("eager", f"{reason}; {report}")
+        return None, Explanation(report.uses if report.kernels else "eager", f"{reason}; under TorchDynamo: "
+                                 f"{report.reason}", model=report)
+
     def _decide(self, args, kwargs, allow_search: bool):
-        import torch
 
         from forge.trace import Untraceable, canonical, describe
 
@@ -372,7 +398,7 @@ class Optimized:
         try:
             traced = canonical(self.fn, args, kwargs)
         except Untraceable as exc:
-            return eager(f"cannot trace: {exc}")
+            return self._regions_or_eager(f"cannot trace: {exc}", args, kwargs, allow_search)
         from forge import ops
 
         found = None
@@ -383,7 +409,8 @@ class Optimized:
                 found = (op, *res)
                 break
         if found is None:
-            return eager(f"no op family matches this computation ({describe(traced.expr)})")
+            return self._regions_or_eager(f"no op family matches this computation ({describe(traced.expr)})",
+                                          args, kwargs, allow_search)
         op, indices, attrs = found
         tensors = traced.tensors
         if self._root is None and traced.params:
@@ -392,84 +419,167 @@ class Optimized:
             return eager("reads tensors that are not its arguments (globals or closures): pass them as "
                          "arguments, or optimize an nn.Module whose parameters they are", op=op.name)
         picked = [tensors[i] if i is not None else None for i in indices]
-        inputs = op.module.fill_missing(picked)
-        x = inputs[0]
-        if torch._C._is_any_autocast_enabled():
-            # Under autocast eager's ops choose their own dtypes (softmax and pow in fp32, matmul in the
-            # autocast dtype); a kernel computing in its inputs' dtype would return something else.
-            return eager("autocast is enabled (eager's ops pick their own dtypes under it)", op=op.name)
-        if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
-            return eager("inputs require grad (forge kernels are forward-only)", op=op.name)
-        if any(t.device != x.device for t in inputs):
-            return eager("inputs are on different devices", op=op.name)
-        if any(not t.is_contiguous() for t in inputs):
-            return eager("non-contiguous input (kernels are validated for contiguous inputs only)", op=op.name)
-        if any(t.data_ptr() % ALIGNMENT for t in inputs):
-            return eager(f"input not {ALIGNMENT}-byte aligned (kernels are validated on aligned inputs)",
-                         op=op.name)
-        dtype = dtype_name(x.dtype)
-        problem = getattr(op.module, "problem", None)
-        if dtype not in DTYPES or (problem is None and any(str(t.dtype) != str(x.dtype) for t in inputs)):
-            return eager(f"unsupported dtype mix {[str(t.dtype) for t in inputs]}", op=op.name)
-        shape = tuple(x.shape)
-        if problem is not None:  # ops whose problem size is not just the first input's shape
-            try:
-                shape = tuple(problem(inputs, attrs))
-            except ValueError as exc:
-                return eager(f"{op.name} does not support this call: {exc}", op=op.name)
-        if x.device.type == "cuda":
-            backend = "cuda"
-        elif x.device.type == "cpu" and self.interpreter:
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                return eager("CPU tensors need TRITON_INTERPRET=1 set before triton is imported", op=op.name)
-            backend = "interpreter"
-        else:
-            return eager(f"{x.device.type} tensors without the interpreter opted in "
-                         "(forge.optimize(interpreter=True) or FORGE_INTERPRETER=1)", op=op.name)
+        miss = "search" if allow_search and _search_enabled(self.search) else (
+            "eager" if _search_enabled(self.search) else "off")
+        return resolve(op, picked, indices, attrs, tensors, getters=traced.params, interpreter=self.interpreter,
+                       cache_path=self.cache_path, miss=miss, budget=self.budget)
+
+
+def resolve(op, picked: list, indices: list, attrs: dict, tensors: list, *, getters=(), interpreter: bool,
+            cache_path, miss: str, budget: int, record: Callable[..., str] | None = None
+            ) -> tuple[_Binding | None, Explanation]:
+    """The kernel for one matched computation, or eager with the reason: the checks every cached kernel
+    passes before it runs (grad, autocast, devices, layout, alignment, dtypes, the spec), the cache
+    lookup, and on a miss what `miss` says: "search" (the installed searcher), "record" (record(op,
+    shape, dtype, device, attrs) notes it for offline tuning and says so, in words), "eager" (a miss that
+    would search, asked without searching), "skip" (never searches) or "off" (searching is switched
+    off). picked: the op's
+    inputs as the matcher picked them (None where the op fills one in); tensors: every tensor the
+    computation reads (for the grad check). Shared by @forge.optimize (one op per function) and the
+    TorchDynamo backend (one op per region of a graph, forge/backend.py)."""
+    import torch
+
+    def eager(reason: str, **kw) -> tuple[None, Explanation]:
+        return None, Explanation("eager", reason, **kw)
+
+    inputs = op.module.fill_missing(picked)
+    x = inputs[0]
+    if torch._C._is_any_autocast_enabled():
+        # Under autocast eager's ops choose their own dtypes (softmax and pow in fp32, matmul in the
+        # autocast dtype); a kernel computing in its inputs' dtype would return something else.
+        return eager("autocast is enabled (eager's ops pick their own dtypes under it)", op=op.name)
+    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        return eager("inputs require grad (forge kernels are forward-only)", op=op.name)
+    if any(t.device != x.device for t in inputs):
+        return eager("inputs are on different devices", op=op.name)
+    if any(not t.is_contiguous() for t in inputs):
+        return eager("non-contiguous input (kernels are validated for contiguous inputs only)", op=op.name)
+    if any(t.data_ptr() % ALIGNMENT for t in inputs):
+        return eager(f"input not {ALIGNMENT}-byte aligned (kernels are validated on aligned inputs)",
+                     op=op.name)
+    dtype = dtype_name(x.dtype)
+    problem = getattr(op.module, "problem", None)
+    if dtype not in DTYPES or (problem is None and any(str(t.dtype) != str(x.dtype) for t in inputs)):
+        return eager(f"unsupported dtype mix {[str(t.dtype) for t in inputs]}", op=op.name)
+    shape = tuple(x.shape)
+    if problem is not None:  # ops whose problem size is not just the first input's shape
         try:
-            spec = op.module.make_spec(shape, dtype, keys.spec_device(backend), attrs)
-            keys.check_attrs(spec.attrs)
+            shape = tuple(problem(inputs, attrs))
         except ValueError as exc:
             return eager(f"{op.name} does not support this call: {exc}", op=op.name)
-        actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
-        if actual != [(s.shape, s.dtype) for s in spec.inputs]:
-            return eager(f"input shapes/dtypes {actual} do not fit {op.name}'s kernel", op=op.name)
+    if x.device.type == "cuda":
+        backend = "cuda"
+    elif x.device.type == "cpu" and interpreter:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return eager("CPU tensors need TRITON_INTERPRET=1 set before triton is imported", op=op.name)
+        backend = "interpreter"
+    else:
+        return eager(f"{x.device.type} tensors without the interpreter opted in "
+                     "(forge.optimize(interpreter=True) or FORGE_INTERPRETER=1)", op=op.name)
+    try:
+        spec = op.module.make_spec(shape, dtype, keys.spec_device(backend), attrs)
+        keys.check_attrs(spec.attrs)
+    except ValueError as exc:
+        return eager(f"{op.name} does not support this call: {exc}", op=op.name)
+    actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
+    if actual != [(s.shape, s.dtype) for s in spec.inputs]:
+        return eager(f"input shapes/dtypes {actual} do not fit {op.name}'s kernel", op=op.name)
 
-        device_index = x.device.index if backend == "cuda" else None
-        loc = keys.locate(op, spec, backend, device_index)
-        key = loc.key
-        try:
-            cache = Cache(self.cache_path or default_cache_path())
+    device_index = x.device.index if backend == "cuda" else None
+    loc = keys.locate(op, spec, backend, device_index)
+    key = loc.key
+    try:
+        cache = Cache(cache_path or default_cache_path())
+        entry = cache.get(key)
+        if entry is None and miss == "search":
+            _searcher()(op.name, shape, dtype, device=keys.spec_device(backend), cache=cache, attrs=attrs,
+                        budget=budget, gpu=device_index)
             entry = cache.get(key)
-            if entry is None and allow_search and _search_enabled(self.search):
-                _searcher()(op.name, shape, dtype, device=keys.spec_device(backend), cache=cache, attrs=attrs,
-                            budget=self.budget, gpu=device_index)
-                entry = cache.get(key)
-        except CacheError as exc:
-            return eager(f"cache unusable: {exc}", op=op.name, key=key)
-        except ForgeError as exc:  # the search could not run here (out of memory, no workers): eager, never a crash
-            return eager(f"search failed: {exc}", op=op.name, key=key)
-        if entry is None:
-            why = ("searching is off (FORGE_SEARCH=0 or search=False)" if not _search_enabled(self.search)
-                   else "would search")
-            return eager(f"cache miss: {why}", op=op.name, key=key)
-        if entry.decision == "eager":
-            return eager("cached decision is eager (no candidate beat eager by the required margin)",
-                         op=op.name, key=key)
-        if not keys.source_intact(entry):
-            return eager("cached kernel source does not match its sha256; not loaded", op=op.name, key=key)
-        if entry.env != loc.env:
-            diff = keys.env_diff(entry.env, loc.env)
-            return eager(f"cached entry was made for another environment ({', '.join(diff)})",
-                         op=op.name, key=key)
-        problem = keys.verify_entry(entry)  # before anything is imported: the cache is untrusted input
-        if problem is not None:
-            return eager(f"cached kernel refused, not loaded: {problem}", op=op.name, key=key)
-        module = _load_kernel(entry, cache)
-        why = Explanation("kernel", f"cached {entry.speedup or 0:.2f}x faster than eager", op=op.name, key=key,
-                          variant=entry.variant, params=entry.params)
-        return _Binding(op.module, module, spec, indices, inputs, attrs, traced.params,
-                        x.device.index if backend == "cuda" else None), why
+    except CacheError as exc:
+        return eager(f"cache unusable: {exc}", op=op.name, key=key)
+    except ForgeError as exc:  # the search could not run here (out of memory, no workers): eager, never a crash
+        return eager(f"search failed: {exc}", op=op.name, key=key)
+    if entry is None:
+        if miss == "record" and record is not None:
+            why = record(op.name, shape, dtype, keys.spec_device(backend), dict(spec.attrs))
+        else:
+            why = {"off": "searching is off (FORGE_SEARCH=0 or search=False)", "eager": "would search",
+                   "skip": "not tuned (the backend's miss='eager': tune it with forge search)",
+                   "search": "the search stored no decision"}.get(miss, "not tuned")
+        return eager(f"cache miss: {why}", op=op.name, key=key)
+    if entry.decision == "eager":
+        return eager("cached decision is eager (no candidate beat eager by the required margin)",
+                     op=op.name, key=key)
+    if not keys.source_intact(entry):
+        return eager("cached kernel source does not match its sha256; not loaded", op=op.name, key=key)
+    if entry.env != loc.env:
+        diff = keys.env_diff(entry.env, loc.env)
+        return eager(f"cached entry was made for another environment ({', '.join(diff)})",
+                     op=op.name, key=key)
+    problem = keys.verify_entry(entry)  # before anything is imported: the cache is untrusted input
+    if problem is not None:
+        return eager(f"cached kernel refused, not loaded: {problem}", op=op.name, key=key)
+    module = _load_kernel(entry, cache)
+    why = Explanation("kernel", f"cached {entry.speedup or 0:.2f}x faster than eager", op=op.name, key=key,
+                      variant=entry.variant, params=entry.params)
+    return _Binding(op.module, module, spec, indices, inputs, attrs, getters, device_index), why
+
+
+class _Regions:
+    """One signature of a function that is not one op, run by TorchDynamo with the forge backend: each
+    region with a cached kernel runs it, the rest runs as written. After the first call, a signature in
+    which no region runs a kernel is rebound to the plain function (no Dynamo on the hot path)."""
+
+    def __init__(self, owner: Optimized, reason: str, dry_run: bool = False):
+        from forge import backend
+
+        if dry_run:
+            miss = "eager" if _search_enabled(owner.search) else "off"
+        else:
+            miss = "search" if _search_enabled(owner.search) else "off"
+        self.reason = reason
+        self.backend = backend.Backend(miss="eager", budget=owner.budget, cache=owner.cache_path,
+                                       interpreter=owner.interpreter)
+        self.backend.resolve_miss = miss  # the shim's own miss wording and policy (resolve())
+        self.fn = owner.fn
+        self.compiled = None
+
+    def capture(self, args, kwargs):
+        """Run the function once under Dynamo (explain): the report, or why it could not be captured."""
+        import torch
+
+        torch._dynamo.reset()
+        try:
+            torch.compile(self.fn, backend=self.backend, dynamic=False)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - Dynamo or the user's code failed: say so, run eager
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            return f"TorchDynamo could not capture it either: {type(exc).__name__}: {first[:200]}"
+        finally:
+            torch._dynamo.reset()
+        return self.backend.explain()
+
+    def __call__(self, owner: Optimized, sig, args, kwargs):
+        if self.compiled is None:
+            import torch
+
+            self.compiled = torch.compile(self.fn, backend=self.backend, dynamic=False)
+            out = self.compiled(*args, **kwargs)
+            report = self.backend.explain()
+            if not report.kernels:
+                why = Explanation("eager", f"{self.reason}; under TorchDynamo: {report.reason}", model=report)
+                owner._bound[sig] = (None, why)
+                if owner.warn and why.reason not in owner._warned:
+                    owner._warned.add(why.reason)
+                    warnings.warn(f"forge: {getattr(self.fn, '__name__', 'function')} runs eager: {why.reason}",
+                                  RuntimeWarning, stacklevel=3)
+            return out
+        return self.compiled(*args, **kwargs)
+
+    def explain(self, why: Explanation) -> Explanation:
+        if self.compiled is None:
+            return why
+        report = self.backend.explain()
+        return Explanation("regions", f"{self.reason}; under TorchDynamo: {report.reason}", model=report)
 
 
 def _load_kernel(entry, cache: Cache):

@@ -1,0 +1,370 @@
+"""Models end to end on the GPU through the forge TorchDynamo backend, side by side with the peers.
+
+Usage (on the GPU machine, from the repo root; liger-kernel optional):
+    PYTHONPATH=. python3 bench/models.py --out DIR [--models llama,gpt2,decode,block] [--budget 20]
+        [--modes eager,forge,compile,max-autotune,liger] [--cache DB] [--no-tune]
+
+Models (random weights from configs, bf16, torch.no_grad()):
+  llama   HF LlamaForCausalLM, 4 layers, hidden 2048, 16/4 heads, ff 5632, vocab 32000; prefill 4x1024
+  gpt2    HF GPT2LMHeadModel, 4 layers, n_embd 1024, 16 heads, vocab 50257; prefill 4x1024
+  decode  the Llama above, one new token per sequence (batch 4) on a KV cache of 1024 (cropped back after
+          every step, so each step sees the same shapes)
+  block   a hand-written Llama decoder block (RMSNorm, RoPE, GQA causal SDPA, SwiGLU MLP, residuals), d 4096,
+          32/8 heads, ff 14336, 1x2048 tokens
+
+Per model: (1) tune: one forward through the forge backend with miss="record" writes the model's
+untuned regions to a manifest; `forge search --manifest` tunes them (--budget; its wall time is
+reported); (2) every contestant is built and called once (first-call seconds: the forge backend on a
+warm forge cache, torch.compile's compilation, Liger's patching); (3) timing, interleaved: rounds of
+N forwards per contestant in turn (CUDA events around the N forwards: call latency per forward,
+host dispatch included), the median round per contestant; (4) device time per forward (the kernels'
+own time, torch.profiler) for eager and forge, with the share of forge's device time in forge kernels;
+(5) each output against eager's (relative norm error). Writes DIR/models.json; a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+FORGE = [sys.executable, "-c", "import sys; from forge_cli.cli import main; sys.argv[0] = 'forge'; main()"]
+DEV = "cuda"
+
+
+# -- models ------------------------------------------------------------------------------------------
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).to(DEV, torch.bfloat16).eval()
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=1024, n_layer=4, n_head=16, n_positions=1024, vocab_size=50257,
+                     attn_implementation="sdpa")
+    return GPT2LMHeadModel(cfg).to(DEV, torch.bfloat16).eval()
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaBlock(torch.nn.Module):
+    """A Llama decoder block as users write it by hand."""
+
+    def __init__(self, d=4096, heads=32, kv_heads=8, ff=14336):
+        super().__init__()
+        self.h, self.kv, self.hd = heads, kv_heads, d // heads
+        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+        self.q = torch.nn.Linear(d, d, bias=False)
+        self.k = torch.nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.v = torch.nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.o = torch.nn.Linear(d, d, bias=False)
+        self.gate = torch.nn.Linear(d, ff, bias=False)
+        self.up = torch.nn.Linear(d, ff, bias=False)
+        self.down = torch.nn.Linear(ff, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, s, self.h, self.hd).transpose(1, 2)
+        k = self.k(h).view(b, s, self.kv, self.hd).transpose(1, 2)
+        v = self.v(h).view(b, s, self.kv, self.hd).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        h = self.norm2(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def _rope_tables(s: int, hd: int, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=DEV).float() / hd))
+    f = torch.outer(torch.arange(s, device=DEV).float(), inv)
+    emb = torch.cat((f, f), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def build(name: str):
+    """(model, a callable making one forward's arguments' kwargs, a step(model, kwargs) function, label)."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    if name == "llama":
+        m = _llama()
+        ids = torch.randint(0, 32000, (4, 1024), device=DEV, generator=gen)
+        return m, (lambda: {"input_ids": ids}), (lambda f, kw: f(**kw).logits), "HF Llama prefill 4x1024"
+    if name == "gpt2":
+        m = _gpt2()
+        ids = torch.randint(0, 50257, (4, 1024), device=DEV, generator=gen)
+        return m, (lambda: {"input_ids": ids}), (lambda f, kw: f(**kw).logits), "HF GPT-2 prefill 4x1024"
+    if name == "decode":
+        m = _llama()
+        ids = torch.randint(0, 32000, (4, 1024), device=DEV, generator=gen)
+        with torch.no_grad():
+            past = m(input_ids=ids, use_cache=True).past_key_values
+        nxt = torch.randint(0, 32000, (4, 1), device=DEV, generator=gen)
+        pos = torch.full((4, 1), 1024, device=DEV, dtype=torch.long)
+
+        def args():
+            return {"input_ids": nxt, "position_ids": pos, "past_key_values": copy.deepcopy(past),
+                    "use_cache": True}
+
+        def step(f, kw):
+            out = f(**kw).logits
+            kw["past_key_values"].crop(1024)  # views only: every step sees a 1024-token cache
+            return out
+
+        return m, args, step, "HF Llama decode, batch 4, KV cache 1024"
+    if name == "block":
+        torch.manual_seed(0)
+        m = LlamaBlock().to(DEV, torch.bfloat16).eval()
+        x = torch.randn(1, 2048, 4096, device=DEV, dtype=torch.bfloat16, generator=gen)
+        cos, sin = _rope_tables(2048, 128, torch.bfloat16)
+        return m, (lambda: {"x": x, "cos": cos, "sin": sin}), (lambda f, kw: f(**kw)), \
+            "hand-written Llama block d4096 32/8 ff14336, 1x2048"
+    raise SystemExit(f"unknown model {name!r}")
+
+
+# -- contestants -------------------------------------------------------------------------------------
+def contestant(mode: str, name: str, cache: Path):
+    """(the callable to run, its forge Backend or None), or raises."""
+    model = build(name)[0]
+    if mode == "eager":
+        return model, None
+    if mode == "forge":
+        from forge.backend import Backend
+
+        be = Backend(miss="eager", cache=cache, label_kernels=False)
+        return torch.compile(model, backend=be, dynamic=False), be
+    if mode == "compile":
+        return torch.compile(model), None
+    if mode == "max-autotune":
+        return torch.compile(model, mode="max-autotune-no-cudagraphs"), None
+    if mode == "liger":
+        if name not in ("llama", "decode"):
+            raise LookupError("Liger has no patch for this model")
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model)
+        return model, None
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def timed_rounds(runs: dict, n: int, rounds: int) -> dict:
+    """Interleaved: each round runs n forwards of every contestant in turn; per contestant the median
+    round's ms per forward (CUDA events around the n forwards)."""
+    per = {k: [] for k in runs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.no_grad():
+        for k, fn in runs.items():  # warm-up
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize()
+        for _ in range(rounds):
+            for k, fn in runs.items():
+                start.record()
+                for _ in range(n):
+                    fn()
+                end.record()
+                end.synchronize()
+                per[k].append(start.elapsed_time(end) / n)
+    return {k: sorted(v)[len(v) // 2] for k, v in per.items()}
+
+
+def device_time(fn, iters: int = 5) -> tuple[float, float]:
+    """(device ms per forward: the kernels' own time; of it, ms in forge kernels)."""
+    from torch.profiler import ProfilerActivity
+
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+    total = forge = 0.0
+    for evt in prof.key_averages():
+        own = getattr(evt, "self_device_time_total", None)
+        total += getattr(evt, "self_cuda_time_total", 0.0) if own is None else own
+        if evt.key == "forge_kernel":
+            inside = getattr(evt, "device_time_total", None)
+            forge += getattr(evt, "cuda_time_total", 0.0) if inside is None else inside
+    return total / iters / 1e3, forge / iters / 1e3
+
+
+def tune(name: str, cache: Path, work: Path, budget: int) -> dict:
+    from forge.backend import Backend
+
+    todo = work / f"{name}-misses.toml"
+    todo.unlink(missing_ok=True)
+    model, args, step, _ = build(name)
+    torch._dynamo.reset()
+    be = Backend(miss="record", manifest=todo, cache=cache)
+    with torch.no_grad():
+        step(torch.compile(model, backend=be, dynamic=False), args())
+    torch._dynamo.reset()
+    doc = {"regions": len(be.regions), "recorded": sum("recorded" in r.reason for r in be.regions),
+           "not_tunable": sorted({f"{r.op}: {r.reason}" for r in be.regions if r.reason.startswith("not tunable")})}
+    if not todo.exists():
+        return {**doc, "search": "nothing to tune"}
+    t0 = time.monotonic()
+    res = subprocess.run([*FORGE, "search", "--manifest", str(todo), "--budget", str(budget), "--json",
+                          "--cache", str(cache)], capture_output=True, text=True, timeout=540)
+    doc["search_wall_s"] = round(time.monotonic() - t0, 1)
+    try:
+        s = json.loads(res.stdout)
+        doc["entries"] = [{k: e.get(k) for k in ("op", "shape", "dtype", "status", "decision", "speedup", "winner",
+                                                 "p50_us", "eager_p50_us", "error")} for e in s.get("entries", [])]
+    except json.JSONDecodeError:
+        doc["search_error"] = (res.stderr or res.stdout)[-800:]
+    return doc
+
+
+def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dict:
+    _, make_args, step, label = build(name)
+    row: dict = {"model": name, "label": label}
+    if "forge" in modes and not args.no_tune:
+        row["tune"] = tune(name, cache, work, args.budget)
+        print(json.dumps({"model": name, "tune": row["tune"]}), flush=True)
+    runs, first, errors, backends, outs = {}, {}, {}, {}, {}
+    for mode in modes:
+        torch._dynamo.reset()  # each compiled contestant compiles from scratch (first-call time)
+        try:
+            fn, be = contestant(mode, name, cache)
+            kw = make_args()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = step(fn, kw)
+            torch.cuda.synchronize()
+            first[mode] = round(time.perf_counter() - t0, 2)
+            with torch.no_grad():
+                outs[mode] = step(fn, make_args()).float()
+        except Exception as exc:  # noqa: BLE001 - a contestant that cannot run is reported, the rest go on
+            errors[mode] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+            print(json.dumps({"model": name, "mode": mode, "error": errors[mode]}), flush=True)
+            continue
+        del out
+        kws = make_args()
+        runs[mode] = (lambda f=fn, k=kws: step(f, k))
+        if be is not None:
+            backends[mode] = be
+    ms = timed_rounds(runs, args.n, args.rounds) if runs else {}
+    base = ms.get("eager")
+    row["contestants"] = {}
+    for mode in modes:
+        if mode in errors:
+            row["contestants"][mode] = {"error": errors[mode]}
+            continue
+        c = {"ms_per_forward": round(ms[mode], 4), "first_call_s": first[mode],
+             "speedup_vs_eager": round(base / ms[mode], 4) if base else None,
+             "rel_err_vs_eager": rel_err(outs[mode], outs["eager"]) if "eager" in outs else None}
+        if mode in backends:
+            rep = backends[mode].explain()
+            c["regions"] = len(rep.regions)
+            c["kernels"] = rep.kernels
+            c["region_report"] = [str(r) for r in rep.regions][:60]
+        row["contestants"][mode] = c
+    if "forge" in runs and "eager" in runs:
+        from forge.backend import Backend
+
+        torch._dynamo.reset()
+        fn_l = torch.compile(build(name)[0], backend=Backend(miss="eager", cache=cache, label_kernels=True),
+                             dynamic=False)
+        kw_l = make_args()
+        eager_dev, _ = device_time(runs["eager"])
+        forge_dev, in_forge = device_time(lambda: step(fn_l, kw_l))
+        row["device"] = {"eager_ms": round(eager_dev, 4), "forge_ms": round(forge_dev, 4),
+                         "speedup": round(eager_dev / forge_dev, 4) if forge_dev else None,
+                         "forge_kernel_share": round(in_forge / forge_dev, 4) if forge_dev else None}
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", default="llama,gpt2,decode,block")
+    ap.add_argument("--modes", default="eager,forge,compile,liger")
+    ap.add_argument("--budget", type=int, default=20)
+    ap.add_argument("--cache", type=Path, default=None, help="forge cache DB (default: a new one under a temp dir)")
+    ap.add_argument("--no-tune", action="store_true", help="use the cache as it is")
+    ap.add_argument("--n", type=int, default=10, help="forwards per timed round")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="forge-models-"))
+    cache = args.cache or work / "forge.db"
+    modes = args.modes.split(",")
+    if "eager" not in modes:
+        modes.insert(0, "eager")
+    from forge.env import collect_env
+
+    env = collect_env("cuda")
+    import transformers
+
+    doc = {**{k: env.get(k) for k in ("gpu", "driver", "cuda", "torch", "triton", "forge")},
+           "transformers": transformers.__version__, "python": sys.version.split()[0],
+           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+           "command": "PYTHONPATH=. python3 bench/models.py " + " ".join(sys.argv[1:]),
+           "timing": f"interleaved rounds of {args.n} forwards, median of {args.rounds}; CUDA events (call latency "
+                     "per forward, host dispatch included); device time: torch.profiler kernel self time",
+           "rows": []}
+    for name in args.models.split(","):
+        doc["rows"].append(run_model(name, modes, cache, work, args))
+        (args.out / "models.json").write_text(json.dumps(doc, indent=2))
+    if cache.exists() and args.cache is None:
+        (args.out / "forge.db").write_bytes(cache.read_bytes())
+    print("\nmodel    mode          ms/fwd   first s  vs eager  rel err   regions/kernels")
+    for row in doc["rows"]:
+        for mode, c in row["contestants"].items():
+            if "error" in c:
+                print(f"{row['model']:8} {mode:12} error: {c['error'][:90]}")
+                continue
+            rk = f"{c.get('regions', '')}/{c.get('kernels', '')}" if "regions" in c else ""
+            print(f"{row['model']:8} {mode:12} {c['ms_per_forward']:8.3f} {c['first_call_s']:8.2f} "
+                  f"{c['speedup_vs_eager'] or 0:8.3f} {c['rel_err_vs_eager'] or 0:9.2e}  {rk}")
+        if "device" in row:
+            d = row["device"]
+            print(f"{row['model']:8} device time: eager {d['eager_ms']:.3f} ms, forge {d['forge_ms']:.3f} ms "
+                  f"({d['speedup']}x), {100 * (d['forge_kernel_share'] or 0):.1f}% in forge kernels")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

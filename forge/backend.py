@@ -1,0 +1,391 @@
+"""The TorchDynamo backend: `torch.compile(model, backend="forge")`.
+
+Dynamo hands the backend each graph it captures (a graph break gives several). On the graph's first
+call the backend runs it once on the real inputs, recording every node's value (forge/trace.py), finds
+its regions (forge/regions.py: the same regions `forge trace` lists) and, for each, asks what the shim
+asks for one function (shim.resolve: grad, autocast, devices, layout, alignment, dtypes, the spec, the
+cache entry and its integrity check). A region whose kernel is cached is replaced in a copy of the graph
+by a call that checks its inputs against what was resolved (shape, strides, dtype, device, requires_grad,
+alignment, autocast, grad mode where it matters) and launches the kernel, or runs the region's own nodes when they
+differ; every other node runs as captured. Dynamo's own guards recompile the graph for other input
+shapes, which resolves again (a miss for an untuned shape).
+
+Options (`torch.compile(model, backend="forge", options={...})` or `forge.backend.Backend(...)`):
+  miss     what a region without a cached decision does: "search" (default: tune it in this first call,
+           as @forge.optimize does; FORGE_SEARCH=0 turns it off), "record" (append its op/shape/dtype to
+           `manifest`, a TOML manifest for `forge search --manifest`, and run eager, as PyTorch
+           TunableOp's record-untuned mode), or "eager" (never search: tune offline).
+  rest     what runs everything forge does not: "eager" (the captured nodes, as written; default) or
+           "inductor" (the graph with forge's kernels as opaque custom ops, compiled by Inductor).
+  manifest where "record" writes (default forge-misses.toml in the working directory).
+  budget, cache, interpreter: as for @forge.optimize.
+
+Nothing is compiled or searched at start-up on a cache hit: a region's kernel is the cached Triton
+source, imported once (Triton's own disk cache holds its binary from the search). No wrong result:
+any region forge cannot vouch for runs the captured nodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forge import shim
+from forge.errors import UsageError
+
+MISS = ("search", "record", "eager")
+REST = ("eager", "inductor")
+DEFAULT_MANIFEST = "forge-misses.toml"
+
+
+@dataclass(frozen=True)
+class RegionExplanation:
+    """What the backend does for one region of one captured graph."""
+
+    graph: int
+    node: str
+    op: str
+    uses: str  # "kernel" | "eager"
+    reason: str
+    shape: tuple | None = None
+    dtype: str | None = None
+    attrs: dict = field(default_factory=dict)
+    key: str | None = None
+
+    def __str__(self) -> str:
+        shape = "x".join(map(str, self.shape)) if self.shape else "?"
+        return f"graph {self.graph} {self.node}: {self.op} {shape} {self.dtype or '?'} -> {self.uses}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class ModelExplanation:
+    """Every region of every graph captured from a model, and the calls no op family matches."""
+
+    regions: tuple[RegionExplanation, ...]
+    unmatched: tuple[tuple[int, str, str, str], ...]  # (graph, node, call, why)
+    graphs: int
+
+    @property
+    def kernels(self) -> int:
+        return sum(r.uses == "kernel" for r in self.regions)
+
+    @property
+    def uses(self) -> str:
+        return "regions" if self.kernels else "eager"
+
+    @property
+    def reason(self) -> str:
+        head = (f"{self.kernels} of {len(self.regions)} region(s) in {self.graphs} graph(s) run forge kernels; "
+                f"{len(self.unmatched)} call(s) match no op family")
+        if not self.regions:
+            return head
+        return head + ": " + "; ".join(f"{r.op} {r.node}: {r.uses} ({r.reason})" for r in self.regions)
+
+    def __str__(self) -> str:
+        lines = [f"forge backend: {self.kernels} of {len(self.regions)} region(s) in {self.graphs} graph(s) "
+                 "run forge kernels"]
+        lines += [f"  {r}" for r in self.regions]
+        if self.unmatched:
+            lines.append(f"  {len(self.unmatched)} call(s) match no op family: "
+                         + ", ".join(f"{node} ({call})" for _, node, call, _ in self.unmatched[:20])
+                         + (" ..." if len(self.unmatched) > 20 else ""))
+        return "\n".join(lines)
+
+
+def _check(name: str, value: Any, choices: tuple) -> Any:
+    if value not in choices:
+        raise UsageError(f"forge backend: {name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+class Backend:
+    """A TorchDynamo backend (a callable gm, example_inputs -> callable) that swaps cached forge kernels
+    into each captured graph. `explain()` reports every region it has seen."""
+
+    def __init__(self, *, miss: str = "search", rest: str = "eager", manifest: str | os.PathLike | None = None,
+                 budget: int = 50, cache: str | os.PathLike | None = None, interpreter: bool | None = None,
+                 label_kernels: bool = False):
+        self.label_kernels = label_kernels  # each kernel launch inside a profiler range "forge_kernel"
+        self.miss = _check("miss", miss, MISS)
+        self.rest = _check("rest", rest, REST)
+        self.manifest = Path(manifest or DEFAULT_MANIFEST)
+        self.budget = budget
+        self.cache = Path(cache) if cache else None
+        self.interpreter = (os.environ.get("FORGE_INTERPRETER") == "1") if interpreter is None else interpreter
+        self._lock = threading.Lock()
+        self._graphs = itertools.count()
+        self.regions: list[RegionExplanation] = []
+        self.kernel_calls: list[_RegionCall] = []  # every swapped region's guarded call (calls, fallbacks)
+        self.unmatched: list[tuple[int, str, str, str]] = []
+        self.graphs = 0
+        # shim.resolve's miss policy; @forge.optimize sets its own (its wording: "would search", "off")
+        self.resolve_miss = {"eager": "skip", "record": "record"}.get(self.miss)
+
+    def explain(self) -> ModelExplanation:
+        return ModelExplanation(tuple(self.regions), tuple(self.unmatched), self.graphs)
+
+    def __call__(self, gm, example_inputs) -> Callable:
+        index = next(self._graphs)
+        state: dict[str, Any] = {}
+        lock = threading.Lock()
+
+        def first_call(*args):
+            run = state.get("run")
+            if run is not None:
+                return run(*args)
+            with lock:
+                if "run" not in state:
+                    state["run"], out = self._plan(gm, args, index)
+                    return out
+            return state["run"](*args)
+
+        return first_call
+
+    # -- planning one graph, on its first call -----------------------------------------------------
+    def _plan(self, gm, args: tuple, index: int) -> tuple[Callable, Any]:
+        """(the callable that runs this graph from now on, the output of this first call)."""
+        import torch
+
+        from forge.regions import find_regions
+        from forge.trace import TraceGraph
+
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            # Forge kernels are forward-only, and recording runs without autograd: the graph runs as
+            # captured (Dynamo guards grad mode: an inference call compiles it again).
+            with self._lock:
+                self.graphs += 1
+                self.unmatched.append((index, "*", "graph", "inputs require grad (forge kernels are forward-only)"))
+            return self._rest(gm, args), gm(*args)
+        g = TraceGraph.from_graph(gm, args)
+        device = "cuda" if any(t.is_cuda for t in tensors) else "cpu"
+        regions, unmatched = find_regions(g, device, index)
+        swaps = []
+        reports = []
+        for r in regions:
+            report, swap = self._resolve(g, r, index)
+            reports.append(report)
+            if swap is not None:
+                swaps.append((r, swap))
+        with self._lock:
+            self.graphs += 1
+            self.regions.extend(reports)
+            self.unmatched.extend((index, u.node.name, u.call, u.reason) for u in unmatched)
+        with self._lock:
+            self.kernel_calls.extend(call for _, call in swaps)
+        if not swaps:
+            return self._rest(gm, args), g.output
+        swapped = _swapped(gm, swaps, inductor=self.rest == "inductor")
+        return self._rest(swapped, args), g.output
+
+    def _rest(self, gm, args: tuple) -> Callable:
+        if self.rest == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, list(args))
+        return gm.forward
+
+    def _resolve(self, g, r, index: int):
+        """(RegionExplanation, the region's replacement call or None)."""
+        import torch
+
+        from forge import ops
+
+        node = r.root.name
+        if r.unsupported is not None:
+            return RegionExplanation(index, node, r.op, "eager", f"not tunable: {r.unsupported}", r.shape, r.dtype,
+                                     dict(r.attrs)), None
+        op = ops.get(r.op)
+        leaves = [g.values[leaf] if not isinstance(leaf, str) else _attr(g.gm, leaf) for leaf in r.leaves]
+        if not all(isinstance(t, torch.Tensor) for t in leaves):
+            return RegionExplanation(index, node, r.op, "eager", "a region input is not a tensor", r.shape,
+                                     r.dtype, dict(r.attrs)), None
+        picked = [leaves[i] if i is not None else None for i in r.indices]
+        miss = self.resolve_miss or ("search" if shim._search_enabled(True) else "off")
+        binding, why = shim.resolve(op, picked, list(r.indices), dict(r.attrs), leaves,
+                                    interpreter=self.interpreter, cache_path=self.cache, miss=miss,
+                                    budget=self.budget, record=self._record)
+        report = RegionExplanation(index, node, r.op, why.uses, why.reason, r.shape, r.dtype, dict(r.attrs), why.key)
+        if binding is None:
+            return report, None
+        out = g.values[r.root]
+        fallback = _region_module(g.gm, r)
+        if fallback is None:
+            return RegionExplanation(index, node, r.op, "eager", "its nodes cannot be run apart from the graph",
+                                     r.shape, r.dtype, dict(r.attrs), why.key), None
+        return report, _RegionCall(binding, leaves, fallback, out, self.label_kernels)
+
+    def _record(self, op: str, shape: tuple, dtype: str, device: str, attrs: dict) -> str:
+        from forge import misses
+
+        done = misses.record(self.manifest, op, shape, dtype, device, attrs)
+        if done.startswith("not recorded"):
+            return done
+        return f"{done} in {self.manifest} for offline tuning (forge search --manifest {self.manifest})"
+
+
+def _attr(gm, name: str):
+    obj = gm
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _RegionCall:
+    """A region's kernel, guarded: the leaves' signature (shape, dtype, strides, device, requires_grad,
+    alignment), autocast, and grad mode off where a leaf requires grad, as when the kernel was resolved;
+    else the region's own nodes run."""
+
+    def __init__(self, binding, leaves: list, fallback, out, label: bool = False):
+        h = shim._torch_hot()
+        self.label = label
+        self.binding, self.fallback = binding, fallback
+        self.sig = tuple(shim._tensor_sig(t) for t in leaves)
+        self.autocast = h["autocast"]()
+        # Grad mode matters only where a leaf requires grad (resolve() refused grad mode on then); Inductor
+        # runs its compiled graphs under no_grad, so the mode itself is not compared.
+        self.needs_no_grad = any(t.requires_grad for t in leaves)
+        self.out_meta = (tuple(out.shape), tuple(out.stride()), out.dtype)
+        self.calls = self.fallbacks = 0
+        self.__name__ = f"forge_{getattr(getattr(binding, 'spec', None), 'op', 'kernel')}"  # fx names nodes so
+
+    def __call__(self, *leaves):
+        h = shim._hot
+        self.calls += 1
+        if (h["autocast"]() == self.autocast and not (self.needs_no_grad and h["grad"]())
+                and tuple(shim._tensor_sig(t) for t in leaves) == self.sig):
+            if self.label:
+                from torch.profiler import record_function
+
+                with record_function("forge_kernel"):
+                    return self.binding(list(leaves))
+            return self.binding(list(leaves))
+        self.fallbacks += 1
+        return self.fallback(*leaves)
+
+
+def _region_module(gm, r):
+    """The region's nodes as a GraphModule of its leaves (the fallback), or None if a node reads a value
+    that is neither a leaf, a region node, nor a module attribute."""
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    env: dict = {}
+    for i, leaf in enumerate(r.leaves):
+        p = graph.placeholder(f"leaf_{i}")
+        if isinstance(leaf, str):
+            env[("attr", leaf)] = p
+        else:
+            env[leaf] = p
+    inside = set(r.nodes)
+    missing = []
+
+    def arg(n):
+        if n in env:
+            return env[n]
+        if n.op == "get_attr":
+            if ("attr", n.target) in env:
+                return env[("attr", n.target)]
+            env[n] = graph.get_attr(n.target)
+            return env[n]
+        missing.append(n)
+        return graph.placeholder(f"missing_{len(missing)}")
+
+    for n in gm.graph.nodes:
+        if n in inside:
+            env[n] = graph.node_copy(n, arg)
+    if missing:
+        return None
+    graph.output(env[r.root])
+    sub = fx.GraphModule(gm, graph)
+    return sub.forward
+
+
+# Each swapped region under rest="inductor" is the custom op forge::region(handle, leaves): Inductor sees
+# an opaque call with a known output (its fake implementation gives the recorded shape, strides, dtype).
+_HANDLES: dict[str, _RegionCall] = {}
+_handle_ids = itertools.count()
+_op_lock = threading.Lock()
+
+
+def _region_op():
+    import torch
+
+    with _op_lock:
+        if hasattr(torch.ops.forge, "region"):
+            return torch.ops.forge.region
+
+        # The schema is spelled out: this module's annotations are strings (from __future__ import annotations).
+        @torch.library.custom_op("forge::region", mutates_args=(), schema="(str handle, Tensor[] leaves) -> Tensor")
+        def region(handle, leaves):
+            out = _HANDLES[handle](*leaves)
+            # A custom op's output may not alias its inputs (a fallback region could return one of them).
+            if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in leaves):
+                out = out.clone()
+            return out
+
+        @region.register_fake
+        def _(handle, leaves):
+            shape, stride, dtype = _HANDLES[handle].out_meta
+            return torch.empty_strided(shape, stride, dtype=dtype, device=leaves[0].device)
+
+        return torch.ops.forge.region
+
+
+def _swapped(gm, swaps: list, *, inductor: bool):
+    """A copy of `gm` with each region's root replaced by its guarded kernel call (the region's other
+    nodes are dropped where nothing else reads them)."""
+    import torch.fx as fx
+
+    new = fx.GraphModule(gm, gm.graph.__deepcopy__())
+    nodes = {n.name: n for n in new.graph.nodes}
+    op = _region_op() if inductor else None
+    for r, call in swaps:
+        root = nodes[r.root.name]
+        with new.graph.inserting_before(root):
+            leaf_args = [new.graph.get_attr(leaf) if isinstance(leaf, str) else nodes[leaf.name] for leaf in r.leaves]
+            if op is None:
+                repl = new.graph.call_function(call, tuple(leaf_args))
+            else:
+                handle = f"r{next(_handle_ids)}"
+                _HANDLES[handle] = call
+                repl = new.graph.call_function(op, (handle, leaf_args))
+        root.replace_all_uses_with(repl)
+    new.graph.eliminate_dead_code()
+    new.recompile()
+    return new
+
+
+def forge_backend(gm, example_inputs, options: dict | None = None, **kwargs):
+    """`torch.compile(model, backend="forge", options={...})`: a Backend per compiled model would need
+    the options; Dynamo calls this once per captured graph, so a Backend is made per call (its explain()
+    is per graph). For a report over the whole model use forge.explain(model, *inputs), or pass a
+    Backend instance: torch.compile(model, backend=forge.backend.Backend(miss="record"))."""
+    opts = dict(options or {})
+    opts.update(kwargs)
+    opts.pop("mode", None)
+    return Backend(**opts)(gm, example_inputs)
+
+
+def register() -> None:
+    """Register the name "forge" with TorchDynamo when the package's entry point is not installed
+    (running from a source tree): torch.compile(model, backend="forge")."""
+    from torch._dynamo.backends import registry
+
+    registry._lazy_import()  # entry points first: the installed package's own registration wins
+    if "forge" not in registry._BACKENDS:
+        registry.register_backend(forge_backend, name="forge")
+
+
+def compile(model, *, dynamic: bool = False, **options):  # noqa: A001 - mirrors torch.compile
+    """torch.compile(model, backend=Backend(**options), dynamic=dynamic); returns (compiled, backend),
+    the backend holding the report of every region (backend.explain())."""
+    import torch
+
+    backend = Backend(**options)
+    return torch.compile(model, backend=backend, dynamic=dynamic), backend

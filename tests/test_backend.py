@@ -1,0 +1,259 @@
+"""The TorchDynamo backend (forge/backend.py): `torch.compile(model, backend="forge")`, forge.optimize(model)
+for modules fx cannot trace, forge.explain(model), recorded misses, the guards, graph breaks, a changed
+shape, Inductor for the rest. Tiny Hugging Face Llama / GPT-2 / BERT built from configs (never a hub);
+kernel acceptance is forced on the interpreter (where eager always wins) by a test-only switch."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing here may touch a hub
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+import forge  # noqa: E402
+from forge import backend as fb  # noqa: E402
+from forge import misses, shim  # noqa: E402
+from forge.errors import UsageError  # noqa: E402
+from forge.shim import Explanation  # noqa: E402
+from forge.tuner import manifest, stats  # noqa: E402
+from forge_cli import cli  # noqa: E402
+from tests.test_trace_capture import BERT_CFG, GPT2_CFG, LLAMA_CFG  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+runner = CliRunner()
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_CFG, attn_implementation="sdpa")).eval()
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_CFG, attn_implementation="sdpa")).eval()
+    return transformers.BertModel(transformers.BertConfig(**BERT_CFG, attn_implementation="sdpa")).eval()
+
+
+def _ids(seq: int = 16):
+    return torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
+
+
+def _out(o):
+    return o.logits if hasattr(o, "logits") else o.last_hidden_state
+
+
+# Regions each tiny model's forge-tunable ops give (2 layers): Llama 2 rmsnorm per layer + the final one
+# and a SwiGLU per layer; GPT-2 2 layer_norm per layer + the final one and a gelu (gelu_new) per layer;
+# BERT the embeddings' layer_norm, 2 per layer and a gelu per layer.
+TUNED = {"llama": {"rmsnorm": 5, "silu_mul": 2}, "gpt2": {"layer_norm": 5, "gelu": 2},
+         "bert": {"layer_norm": 5, "gelu": 2}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert"])
+def test_hf_model_record_tune_then_swap(kind, tmp_path, monkeypatch):
+    monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)  # the interpreter never beats eager
+    model, ids = _model(kind), _ids()
+    with torch.no_grad():
+        ref = _out(model(ids))
+    # 1. A first run records every miss to a manifest (and runs as written).
+    todo = tmp_path / "misses.toml"
+    be = fb.Backend(miss="record", manifest=todo, interpreter=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(_out(torch.compile(model, backend=be)(ids)), ref)
+    recorded = [r for r in be.regions if "recorded" in r.reason]
+    assert {r.op for r in recorded} == set(TUNED[kind]) and be.explain().kernels == 0
+    jobs = manifest.load(todo).jobs
+    assert sorted(j.op for j in jobs) == sorted(TUNED[kind]) and all(j.shape[-2:] == (16, j.shape[-1]) for j in jobs)
+    # 2. The recorded manifest is what `forge search --manifest` tunes.
+    res = runner.invoke(cli.app, ["search", "--manifest", str(todo), "--budget", "1", "--workers", "1"])
+    assert res.exit_code == 0, res.output
+    # 3. The backend swaps the kernels in; the logits equal eager's; the kernels really ran.
+    be = fb.Backend(miss="eager", interpreter=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        compiled(ids)
+        got = _out(compiled(ids))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    rep = be.explain()
+    kernels = {}
+    for r in rep.regions:
+        if r.uses == "kernel":
+            kernels[r.op] = kernels.get(r.op, 0) + 1
+    assert kernels == TUNED[kind], rep
+    assert len(be.kernel_calls) == sum(TUNED[kind].values())
+    assert all(c.calls - c.fallbacks >= 1 for c in be.kernel_calls)
+    # 4. Another sequence length: Dynamo recompiles, the untuned spec is a miss, run as written.
+    ids2 = _ids(12)
+    with torch.no_grad():
+        torch.testing.assert_close(_out(compiled(ids2)), _out(model(ids2)), rtol=1e-5, atol=1e-5)
+    new = rep.regions and be.explain().regions[len(rep.regions):]
+    assert new and all(r.uses == "eager" for r in new if r.op in TUNED[kind])
+    assert any("cache miss" in r.reason for r in new)
+    torch._dynamo.reset()
+    if kind != "llama":
+        return
+    # 5. forge.optimize(model) on a model fx cannot trace: its regions through the backend; explain lists them.
+    f = forge.optimize(model, interpreter=True, search=False, warn=False)
+    with torch.no_grad():
+        e = forge.explain(f, ids)
+        assert e.uses == "regions" and e.model.kernels == 7 and "cannot trace" in e.reason, e
+        assert "rmsnorm" in str(e) and "not tunable" in str(e)
+        torch.testing.assert_close(_out(f(ids)), ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(_out(f(ids)), ref, rtol=1e-4, atol=1e-4)
+        assert forge.explain(f, ids).uses == "regions"
+    torch._dynamo.reset()
+
+
+def _fake_resolve(calls: list, scale: float = 1.0):
+    """shim.resolve's stand-in: every tunable region 'has a kernel' (the op's reference, times scale)."""
+
+    class Fake:
+        def __init__(self, op, indices, attrs):
+            self.spec = type("S", (), {"op": op.name})()
+            self.op, self.indices, self.attrs = op.module, indices, attrs
+
+        def __call__(self, leaves):
+            calls.append(self.spec.op)
+            picked = [leaves[i] if i is not None else None for i in self.indices]
+            return self.op.reference(self.op.fill_missing(picked), self.attrs) * scale
+
+    return lambda op, picked, indices, attrs, tensors, **kw: (Fake(op, indices, attrs),
+                                                               Explanation("kernel", "fake", op=op.name))
+
+
+def rms_relu(x, w):
+    return torch.relu(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w) + 1.0
+
+
+def with_break(x, w):
+    h = torch.softmax(x, -1)
+    if h.sum() > 0:  # data-dependent: a graph break
+        h = h * 2
+    return rms_relu(h, w)
+
+
+def test_registered_by_name_and_graph_breaks(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
+    fb.register()
+    fb.register()  # idempotent
+    x, w = torch.randn(8, 32), torch.randn(32)
+    torch._dynamo.reset()
+    f = torch.compile(with_break, backend="forge", options={"miss": "eager", "interpreter": True})
+    first = f(x, w)
+    torch.testing.assert_close(first, with_break(x, w))
+    assert calls == []  # the first call of each graph is the recorded run
+    torch.testing.assert_close(f(x, w), with_break(x, w))
+    assert sorted(calls) == ["rmsnorm", "softmax"]  # one region in each of the two graphs
+    torch._dynamo.reset()
+
+
+def test_guards_fall_back_to_the_regions_own_nodes(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls, scale=2.0))
+    be = fb.Backend(miss="eager", interpreter=True)
+    x, w = torch.randn(8, 32), torch.randn(32)
+    torch._dynamo.reset()
+    f = torch.compile(rms_relu, backend=be)
+    f(x, w)
+    (call,) = be.kernel_calls
+    leaves = [x, w]
+    assert torch.equal(call(*leaves), shim_ref(x, w) * 2) and call.fallbacks == 0  # the 'kernel' (x2)
+    # Another stride, dtype, requires_grad, alignment, grad mode: the region's own nodes, exactly.
+    xt = torch.randn(32, 8).t()
+    assert torch.equal(call(xt, w), shim_ref(xt, w)) and call.fallbacks == 1
+    assert torch.equal(call(x.double(), w.double()), shim_ref(x.double(), w.double()))
+    xo = torch.randn(8 * 32 + 1)[1:].view(8, 32)  # 4 bytes off the allocation: not 16-byte aligned
+    assert torch.equal(call(xo, w), shim_ref(xo, w))
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        assert torch.equal(call(xg, w), shim_ref(xg, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        call(x, w)
+    assert call.fallbacks == 5 and calls == ["rmsnorm"]
+    torch._dynamo.reset()
+
+
+def shim_ref(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def test_grad_graphs_run_as_captured(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
+    be = fb.Backend(miss="eager", interpreter=True)
+    x, w = torch.randn(8, 32), torch.randn(32, requires_grad=True)
+    torch._dynamo.reset()
+    f = torch.compile(rms_relu, backend=be)
+    y = f(x, w)
+    y = f(x, w)
+    assert y.grad_fn is not None and calls == []
+    y.sum().backward()
+    assert w.grad is not None and "forward-only" in be.explain().unmatched[0][3]
+    torch._dynamo.reset()
+
+
+def test_a_wrong_kernel_is_caught_by_verify(monkeypatch, tmp_path):
+    """trace --verify runs the backend: a kernel that returns wrong values is a MISMATCH (exit 1)."""
+    (tmp_path / "m.py").write_text(
+        "import torch\n\nclass Model(torch.nn.Module):\n"
+        "    def forward(self, x):\n        return torch.softmax(x, -1) + 1\n\n"
+        "def get_inputs():\n    return [torch.randn(8, 32)]\n")
+    monkeypatch.setattr(shim, "resolve", _fake_resolve([], 1.0))
+    res = runner.invoke(cli.app, ["trace", str(tmp_path / "m.py"), "--device", "cpu", "--verify", "--json"])
+    assert res.exit_code == 0, res.output
+    monkeypatch.setattr(shim, "resolve", _fake_resolve([], 1.01))
+    res = runner.invoke(cli.app, ["trace", str(tmp_path / "m.py"), "--device", "cpu", "--verify"])
+    assert res.exit_code == 1 and "MISMATCH" in res.output
+
+
+@pytest.mark.slow
+def test_inductor_runs_the_rest_with_kernels_as_custom_ops(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
+    be = fb.Backend(miss="eager", rest="inductor", interpreter=True)
+    x, w = torch.randn(8, 32), torch.randn(32)
+    torch._dynamo.reset()
+    f = torch.compile(rms_relu, backend=be)
+    f(x, w)
+    torch.testing.assert_close(f(x, w), rms_relu(x, w))
+    assert calls == ["rmsnorm"]
+    torch._dynamo.reset()
+
+
+def test_bad_options_are_usage_errors():
+    with pytest.raises(UsageError, match="miss='tune'"):
+        fb.Backend(miss="tune")
+    with pytest.raises(UsageError, match="rest='cudagraphs'"):
+        fb.Backend(rest="cudagraphs")
+
+
+def test_recorded_misses_are_never_lost(tmp_path):
+    path = tmp_path / "sub" / "m.toml"
+
+    def rec(i):
+        for j in range(5):
+            assert misses.record(path, "rmsnorm", (i, 64 + j), "float16", "cuda", {"eps": 1e-6}) == "recorded"
+
+    threads = [threading.Thread(target=rec, args=(i,)) for i in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert misses.record(path, "rmsnorm", (1, 64), "float16", "cuda", {"eps": 1e-6}) == "already recorded"
+    misses.record(path, "softmax", (3, 7), "float32", "cuda", {"dim": -1})
+    jobs = manifest.load(path).jobs
+    assert sorted(j.shape for j in jobs if j.op == "rmsnorm") == sorted((i, 64 + j) for i in range(1, 5)
+                                                                          for j in range(5))
+    assert [(j.shape, j.dtype) for j in jobs if j.op == "softmax"] == [((3, 7), "float32")]
+    # Another device's misses, an unwritable place: said, never raised (the model runs on).
+    assert misses.record(path, "rmsnorm", (2, 8), "float16", "cpu", {}).startswith("not recorded: ")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert misses.record(blocked / "m.toml", "rmsnorm", (2, 8), "float16", "cuda", {}).startswith("not recorded")
