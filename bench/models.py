@@ -189,7 +189,7 @@ def timed_rounds(runs: dict, n: int, rounds: int) -> dict:
     per = {k: [] for k in runs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.no_grad():
-        for k, fn in runs.items():  # warm-up
+        for fn in runs.values():  # warm-up
             for _ in range(3):
                 fn()
         torch.cuda.synchronize()
@@ -215,13 +215,22 @@ def device_time(fn, iters: int = 5) -> tuple[float, float]:
             for _ in range(iters):
                 fn()
             torch.cuda.synchronize()
+    return kernel_times(prof, iters)
+
+
+def kernel_times(prof, iters: int) -> tuple[float, float]:
+    """(ms per iteration of device activity: every kernel, copy and set, once — user-annotation ranges,
+    which the profiler also reports on the device, are not activity; of it, ms of the kernels launched
+    inside "forge_kernel" ranges)."""
+    from torch.autograd import DeviceType
+
     total = forge = 0.0
-    for evt in prof.key_averages():
-        own = getattr(evt, "self_device_time_total", None)
-        total += getattr(evt, "self_cuda_time_total", 0.0) if own is None else own
-        if evt.key == "forge_kernel":
-            inside = getattr(evt, "device_time_total", None)
-            forge += getattr(evt, "cuda_time_total", 0.0) if inside is None else inside
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False) \
+                and e.name != "forge_kernel":
+            total += e.device_time_total
+        elif e.device_type == DeviceType.CPU and e.name == "forge_kernel":
+            forge += e.device_time_total
     return total / iters / 1e3, forge / iters / 1e3
 
 
@@ -233,8 +242,11 @@ def tune(name: str, cache: Path, work: Path, budget: int) -> dict:
     model, args, step, _ = build(name)
     torch._dynamo.reset()
     be = Backend(miss="record", manifest=todo, cache=cache)
+    compiled = torch.compile(model, backend=be, dynamic=False)
     with torch.no_grad():
-        step(torch.compile(model, backend=be, dynamic=False), args())
+        kw = args()
+        step(compiled, kw)
+        step(compiled, kw)  # decode's steady state: the cache cropped back (other strides: Dynamo recompiles)
     torch._dynamo.reset()
     doc = {"regions": len(be.regions), "recorded": sum("recorded" in r.reason for r in be.regions),
            "not_tunable": sorted({f"{r.op}: {r.reason}" for r in be.regions if r.reason.startswith("not tunable")})}
@@ -296,20 +308,26 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
             rep = backends[mode].explain()
             c["regions"] = len(rep.regions)
             c["kernels"] = rep.kernels
+            c["graphs"] = rep.graphs
             c["region_report"] = [str(r) for r in rep.regions][:60]
+            c["unmatched"] = [f"graph {g} {node}: {call}: {why}" for g, node, call, why in rep.unmatched][:80]
+            c["kernel_calls"] = [{"op": k.__name__, "launch": k.binding.launch, "fast": k.binding.fast,
+                                  "calls": k.calls, "fallbacks": k.fallbacks} for k in backends[mode].kernel_calls]
         row["contestants"][mode] = c
     if "forge" in runs and "eager" in runs:
         from forge.backend import Backend
 
         torch._dynamo.reset()
-        fn_l = torch.compile(build(name)[0], backend=Backend(miss="eager", cache=cache, label_kernels=True),
-                             dynamic=False)
+        be_l = Backend(miss="eager", cache=cache, label_kernels=True)
+        fn_l = torch.compile(build(name)[0], backend=be_l, dynamic=False)
         kw_l = make_args()
         eager_dev, _ = device_time(runs["eager"])
         forge_dev, in_forge = device_time(lambda: step(fn_l, kw_l))
         row["device"] = {"eager_ms": round(eager_dev, 4), "forge_ms": round(forge_dev, 4),
                          "speedup": round(eager_dev / forge_dev, 4) if forge_dev else None,
-                         "forge_kernel_share": round(in_forge / forge_dev, 4) if forge_dev else None}
+                         "forge_kernel_share": round(in_forge / forge_dev, 4) if forge_dev else None,
+                         "labelled_run": {"graphs": be_l.graphs, "kernels": be_l.explain().kernels,
+                                          "calls": [(k.__name__, k.calls, k.fallbacks) for k in be_l.kernel_calls]}}
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     print(json.dumps(row), flush=True)
@@ -326,8 +344,16 @@ def main() -> int:
     ap.add_argument("--no-tune", action="store_true", help="use the cache as it is")
     ap.add_argument("--n", type=int, default=10, help="forwards per timed round")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--model-limit", type=float, default=400, help="seconds per model")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        work = args.row_out.parent
+        row = run_model(args.one, args.modes.split(","), args.cache, work, args)
+        args.row_out.write_text(json.dumps(row))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="forge-models-"))
     cache = args.cache or work / "forge.db"
     modes = args.modes.split(",")
@@ -346,12 +372,24 @@ def main() -> int:
                      "per forward, host dispatch included); device time: torch.profiler kernel self time",
            "rows": []}
     for name in args.models.split(","):
-        doc["rows"].append(run_model(name, modes, cache, work, args))
+        # One process per model: Liger patches transformers' Llama classes for the whole process, and each
+        # model starts with a clean Dynamo and allocator.
+        row_file = work / f"{name}.json"
+        cmd = [sys.executable, __file__, "--one", name, "--row-out", str(row_file), "--out", str(args.out),
+               "--modes", ",".join(modes), "--budget", str(args.budget), "--cache", str(cache),
+               "--n", str(args.n), "--rounds", str(args.rounds), *(["--no-tune"] if args.no_tune else [])]
+        rc = subprocess.run(cmd, timeout=args.model_limit).returncode
+        if row_file.exists():
+            doc["rows"].append(json.loads(row_file.read_text()))
+        else:
+            doc["rows"].append({"model": name, "contestants": {}, "error": f"exit {rc}"})
         (args.out / "models.json").write_text(json.dumps(doc, indent=2))
     if cache.exists() and args.cache is None:
         (args.out / "forge.db").write_bytes(cache.read_bytes())
     print("\nmodel    mode          ms/fwd   first s  vs eager  rel err   regions/kernels")
     for row in doc["rows"]:
+        if "error" in row:
+            print(f"{row['model']:8} failed: {row['error']}")
         for mode, c in row["contestants"].items():
             if "error" in c:
                 print(f"{row['model']:8} {mode:12} error: {c['error'][:90]}")

@@ -43,6 +43,10 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for --strategy
 TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds per candidate before its worker is "
                                                                     "killed (default: 120).")]
 WorkersOpt = Annotated[int | None, typer.Option("--workers", help="Worker processes (default: by backend).")]
+TimeBudgetOpt = Annotated[float | None, typer.Option("--time-budget", help="Seconds of wall clock for the whole "
+                                                    "run: no search starts after it, a running one stops timing "
+                                                    "new candidates and decides from what it timed "
+                                                    "(default: no limit).")]
 
 
 def with_help(option: Any, help: str) -> Any:

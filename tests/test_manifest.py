@@ -137,7 +137,7 @@ def test_bad_shard_specs(text):
 
 # --- fuzzing: whatever the bytes, load() returns a manifest or raises ManifestError ---------------
 FIELDS = ["op", "shape", "shapes", "dtype", "dtypes", "budget", "strategy", "seed", "timeout", "eps", "dim",
-          "device", "workers", "cache", "bogus"]
+          "device", "workers", "cache", "share", "time_budget", "bogus"]
 values = st.one_of(st.none(), st.booleans(), st.integers(-3, 70000), st.floats(allow_nan=True),
                    st.sampled_from(["rmsnorm", "softmax", "4x8", "3x7x5", "0x4", "float16", "bfloat16", "grid",
                                     "random", "cpu", "cuda", "x", ""]),
@@ -229,3 +229,110 @@ def test_cli_failing_entries_are_named_and_exit_nonzero(tmp_path):
     assert rep["failed"] == 2 and all("no CUDA GPU" in e["error"] for e in rep["entries"])
     res = runner.invoke(cli.app, ["search", "--manifest", str(p)])
     assert res.exit_code == 3 and "failed: [[op]] #1 softmax 3x7 float16" in res.output
+
+
+# --- share and time_budget (issue 13: profile, prioritise) -----------------------------------------
+def test_share_is_kept_on_each_job_split_over_the_entry(tmp_path):
+    p = write(tmp_path, {"op": [{"op": "softmax", "shape": "4x8", "share": 0.5},
+                                {"op": "rmsnorm", "shapes": ["4x8", "2x8"], "dtypes": ["float16", "float32"],
+                                 "share": 0.2},
+                                {"op": "softmax", "shape": "2x8", "share": 0},
+                                {"op": "softmax", "shape": "3x8"}]})
+    m = load(p, env={})
+    assert [(j.label, j.share) for j in m.jobs] == [
+        ("softmax 4x8 float16 dim=-1", 0.5),
+        ("rmsnorm 4x8 float16 eps=1e-06", pytest.approx(0.05)), ("rmsnorm 4x8 float32 eps=1e-06", pytest.approx(0.05)),
+        ("rmsnorm 2x8 float16 eps=1e-06", pytest.approx(0.05)), ("rmsnorm 2x8 float32 eps=1e-06", pytest.approx(0.05)),
+        ("softmax 2x8 float16 dim=-1", 0.0), ("softmax 3x8 float16 dim=-1", None)]
+    # A --dtype override collapses the dtype list: the entry's share is split over what is left.
+    m = load(p, cli={"dtype": "float32"}, env={})
+    assert [j.share for j in m.jobs if j.op == "rmsnorm"] == [pytest.approx(0.1)] * 2
+
+
+@pytest.mark.parametrize(("doc", "needle"), [
+    ({"op": [{"op": "softmax", "shape": "4x8", "share": 1.5}]},
+     "[[op]] #1 (softmax): field 'share': expected a fraction of the model's time, a number from 0 to 1, got 1.5"),
+    ({"op": [{"op": "softmax", "shape": "4x8", "share": -0.1}]}, "[[op]] #1 (softmax): field 'share'"),
+    ({"op": [{"op": "softmax", "shape": "4x8", "share": "30%"}]}, "field 'share': expected a fraction"),
+    ({"op": [{"op": "softmax", "shape": "4x8", "share": True}]}, "field 'share': expected a fraction"),
+    ({"op": [{"op": "softmax", "shape": "4x8", "share": float("nan")}]}, "field 'share'"),
+    ({"op": [{"op": "softmax", "shape": "4x8"}, {"op": "rmsnorm", "shape": "4x8", "share": [0.1]}]},
+     "[[op]] #2 (rmsnorm): field 'share'"),
+    ({"op": [{"op": "softmax", "shape": "4x8", "share": 0.7}, {"op": "rmsnorm", "shape": "4x8", "share": 0.6}]},
+     "field 'share': the entries' shares add up to 1.3, more than 1"),
+    ({"defaults": {"share": 0.5}, "op": [{"op": "softmax", "shape": "4x8"}]},
+     "[defaults]: field 'share' belongs to an [[op]] entry"),
+    ({"defaults": {"time_budget": -1}, "op": [{"op": "softmax", "shape": "4x8"}]},
+     "[defaults]: field 'time_budget': expected a number of seconds >= 0, got -1"),
+    ({"defaults": {"time_budget": "1h"}, "op": [{"op": "softmax", "shape": "4x8"}]}, "field 'time_budget'"),
+    ({"op": [{"op": "softmax", "shape": "4x8", "time_budget": 60}]}, "field 'time_budget' is run-wide"),
+])
+def test_share_and_time_budget_errors_name_file_entry_and_field(tmp_path, doc, needle):
+    p = write(tmp_path, doc)
+    with pytest.raises(ManifestError) as exc:
+        load(p, env={})
+    assert str(exc.value).startswith(str(p)) and needle in str(exc.value), str(exc.value)
+
+
+def test_time_budget_precedence_cli_env_defaults(tmp_path):
+    p = write(tmp_path, {"defaults": {"time_budget": 60}, "op": [{"op": "softmax", "shape": "4x8"}]})
+    assert load(p, env={}).time_budget == 60.0
+    assert load(p, env={"FORGE_TIME_BUDGET": "30"}).time_budget == 30.0
+    assert load(p, cli={"time_budget": 0.0}, env={"FORGE_TIME_BUDGET": "30"}).time_budget == 0.0
+    assert load(write(tmp_path, {"op": [{"op": "softmax", "shape": "4x8"}]}, "b.toml"), env={}).time_budget is None
+    with pytest.raises(UsageError, match="FORGE_TIME_BUDGET='soon': expected a number"):
+        load(p, env={"FORGE_TIME_BUDGET": "soon"})
+    with pytest.raises(UsageError, match="FORGE_TIME_BUDGET.*>= 0"):
+        load(p, env={"FORGE_TIME_BUDGET": "-5"})
+
+
+def test_jobs_run_by_share_largest_first_then_the_rest_in_file_order():
+    from forge.tuner import batch
+
+    def job(n, share):
+        return Job("softmax", (n, 8), "float16", {"dim": -1}, 1, "grid", 0, 1.0, n, share)
+
+    jobs = [job(1, None), job(2, 0.1), job(3, 0.5), job(4, None), job(5, 0.1), job(6, 0.3)]
+    assert [j.entry for j in batch.by_share(jobs)] == [3, 6, 2, 5, 1, 4]
+
+
+def test_estimated_speedup_is_amdahl_over_the_shares():
+    from forge.tuner import batch
+
+    assert batch.estimated_speedup([(None, 2.0)]) is None
+    assert batch.estimated_speedup([(0.5, 2.0)]) == pytest.approx(1 / (0.5 + 0.25))
+    assert batch.estimated_speedup([(0.5, 2.0), (0.3, 1.0), (0.2, 4.0)]) == pytest.approx(1 / (0.25 + 0.3 + 0.05))
+    # eager decisions, failures, skipped and not yet run jobs count speedup 1
+    res = [batch.JobResult(1, "softmax", "4x8", "float16", {}, "searched", decision="kernel", speedup=3.0),
+           batch.JobResult(2, "softmax", "5x8", "float16", {}, "searched", decision="eager", speedup=None),
+           batch.JobResult(3, "softmax", "6x8", "float16", {}, "skipped")]
+    jobs = [Job("softmax", (n, 8), "float16", {}, 1, "grid", 0, 1.0, n, 0.2) for n in (4, 5, 6, 7)]
+    assert batch.run_estimate(jobs, res) == pytest.approx(1 / (0.2 + 0.2 / 3 + 0.2 + 0.2 + 0.2))
+    assert batch.run_estimate(jobs, {0: res[0]}) == pytest.approx(1 / (0.2 + 0.2 / 3 + 0.6))
+
+
+def test_cli_bad_time_budget_is_exit_2(tmp_path):
+    p = write(tmp_path, {"op": [{"op": "softmax", "shape": "4x8", "share": 2}]})
+    res = runner.invoke(cli.app, ["search", "--manifest", str(p)])
+    assert res.exit_code == 2 and "field 'share'" in res.output and "Traceback" not in res.output
+    p = write(tmp_path, {"op": [{"op": "softmax", "shape": "4x8"}]})
+    res = runner.invoke(cli.app, ["search", "--manifest", str(p), "--time-budget", "-1"])
+    assert res.exit_code == 2 and "--time-budget: expected a number of seconds >= 0" in res.output
+
+
+def test_cli_time_budget_spent_skips_every_job_and_exits_0(tmp_path):
+    p = write(tmp_path, {"defaults": {"device": "cpu", "budget": 1, "workers": 1},
+                         "op": [{"op": "softmax", "shape": "3x7", "share": 0.25},
+                                {"op": "rmsnorm", "shape": "2x5", "share": 0.5}, {"op": "softmax", "shape": "2x9"}]})
+    res = runner.invoke(cli.app, ["search", "--manifest", str(p), "--json", "--time-budget", "0"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["time_budget_s"] == 0.0 and rep["skipped"] == 3 and rep["failed"] == 0
+    assert [(e["op"], e["shape"], e["status"], e["note"], e["share"]) for e in rep["entries"]] == [
+        ("rmsnorm", "2x5", "skipped", "time budget", 0.5), ("softmax", "3x7", "skipped", "time budget", 0.25),
+        ("softmax", "2x9", "skipped", "time budget", None)]
+    assert rep["covered_share"] == 0.75 and rep["estimated_speedup"] == 1.0
+    res = runner.invoke(cli.app, ["search", "--manifest", str(p)], env={"FORGE_TIME_BUDGET": "0"})
+    assert res.exit_code == 0, res.output
+    assert res.stdout.count("skipped: time budget") == 3, res.stdout
+    assert "3 job(s) not started" in res.output and "estimated end-to-end speedup" in res.stdout

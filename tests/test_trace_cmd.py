@@ -134,6 +134,64 @@ def test_profile_attributes_time_and_estimates_with_amdahl(files):
     assert p["amdahl_speedup"] > 1
 
 
+TUPLES = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x, y):
+        a, b = torch.chunk(torch.softmax(y, dim=-1), 2, dim=0)
+        return torch.softmax(x, dim=-1).cumsum(-1), a + b
+
+
+def get_inputs():
+    return [torch.randn(6, 40), torch.randn(8, 16)]
+'''
+
+
+def test_profile_ranks_every_call_matched_or_not(files):
+    (files / "tuples.py").write_text(textwrap.dedent(TUPLES))
+    tgt = tracecmd.load_target(str(files / "tuples.py"), [], "cpu")
+    result = tracecmd.trace(tgt, "cpu")
+    p = tracecmd.profile(result, iters=2)
+    rank = p["ranking"]
+    # every region, every unmatched call and the calls that are neither (chunk gives a tuple), each once
+    assert sorted((r["kind"], r["node"]) for r in rank) == sorted(
+        [("region", r.root.name) for r in result.regions] + [("unmatched", u.node.name) for u in result.unmatched]
+        + [("other", "chunk")])
+    assert [r["us"] for r in rank] == sorted((r["us"] for r in rank), reverse=True)
+    assert sum(r["us"] for r in rank) == pytest.approx(p["total_us"])
+    assert sum(r["share"] for r in rank) == pytest.approx(1.0) and rank[-1]["cumulative"] == pytest.approx(1.0)
+    by_node = {r["node"]: r for r in rank}
+    for r in result.regions:
+        assert by_node[r.root.name]["us"] == pytest.approx(r.seconds * 1e6)
+    assert p["covered_fraction"] == pytest.approx(sum(by_node[r.root.name]["share"] for r in result.regions))
+    res = runner.invoke(cli.app, ["trace", str(files / "tuples.py"), "--device", "cpu", "--profile"])
+    assert res.exit_code == 0, res.output
+    assert "time per op, largest first" in res.stdout and "function chunk" in res.stdout
+
+
+def test_write_manifest_with_profile_records_each_entry_share(files, tmp_path):
+    out = tmp_path / "forge.toml"
+    doc = _trace(files / "problem.py", "--profile", "--write-manifest", out)
+    total = doc["profile"]["total_us"]
+    want = {(r["op"], "x".join(map(str, r["shape"]))): round(r["us"] / total, 6) for r in doc["regions"]}
+    m = manifest.load(out, env={})
+    got = {(j.op, "x".join(map(str, j.shape))): j.share for j in m.jobs}
+    assert got == pytest.approx(want) and all(0 < s < 1 for s in got.values())
+    assert [j.share for j in m.jobs] == sorted(got.values(), reverse=True)  # written largest first
+    assert sum(got.values()) == pytest.approx(doc["profile"]["covered_fraction"], abs=1e-5)
+    # without --profile: no shares (one entry per op, dtype and attributes, its shapes listed)
+    _trace(files / "problem.py", "--write-manifest", out)
+    assert "share" not in out.read_text() and all(j.share is None for j in manifest.load(out, env={}).jobs)
+
+
+def test_tuning_options_need_a_directory(files):
+    res = runner.invoke(cli.app, ["trace", str(files / "problem.py"), "--device", "cpu", "--tune"])
+    assert res.exit_code == 2 and "are for a directory of problem files" in res.output
+
+
 @pytest.mark.slow
 def test_verify_swaps_cached_kernels_and_compares(files, tmp_path, monkeypatch):
     monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)  # the interpreter never beats eager
@@ -148,8 +206,8 @@ def test_verify_swaps_cached_kernels_and_compares(files, tmp_path, monkeypatch):
     # A kernel that returned wrong values would be caught end to end (exit 1, MISMATCH).
     import forge
 
-    real = forge.load
-    monkeypatch.setattr(forge.shim, "load", lambda *a, **k: (lambda *t: real(*a, **k)(*t) * 1.5))
+    real = forge.shim._Binding.__call__
+    monkeypatch.setattr(forge.shim._Binding, "__call__", lambda self, *a, **k: real(self, *a, **k) * 1.5)
     res = runner.invoke(cli.app, ["trace", str(files / "problem.py"), "--device", "cpu", "--verify"])
     assert res.exit_code == 1 and "MISMATCH" in res.output
 

@@ -16,6 +16,12 @@ environment that fails every job (no triton, no GPU for device cuda) fails each 
 any worker starts), rather than stopping at the first. Only an exception that is no ForgeError (a bug in
 forge) ends the run. After a job that failed part-way its worker pool is closed (engine.Pools.discard): the
 next job starts fresh workers, holding nothing of the failed job's memory.
+
+Order and time: `by_share` puts the jobs with a share of the model's time first, largest first (the rest
+after, in manifest order); a `deadline` (time.monotonic(), from --time-budget) starts no job once it has
+passed (each is reported "skipped", note "time budget") and is the running searches' deadline too
+(engine.SearchOptions.deadline: a search stops timing new candidates and decides from what it timed).
+`estimated_speedup` is Amdahl's law over the jobs' shares and their decisions so far.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class JobResult:
     shape: str
     dtype: str
     attrs: dict[str, Any]
-    status: str  # "cached" | "searched" | "failed"
+    status: str  # "cached" | "searched" | "failed" | "skipped" (not started: the time budget was spent)
     decision: str | None = None  # "kernel" | "eager" | "none"
     key: str | None = None
     winner: str | None = None
@@ -56,27 +62,88 @@ class JobResult:
     device: int | str | None = None  # the GPU index (devices) or Ray node (ray) that ran it
     started: float | None = None  # epoch seconds, for checking that jobs on one device never overlap
     finished: float | None = None
+    share: float | None = None  # the job's share of the model's time (manifest `share`), if known
+    note: str | None = None  # "time budget" for a skipped job; why a search was cut short
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+SKIPPED_NOTE = "time budget"
+
+
 def run(jobs: list[Job], *, cache: Cache, device: str | None, workers: int | None, force: bool = False,
         on_start: Callable[[int, Job], None] | None = None, events: engine.Events | None = None,
-        devices: list[int] | None = None, executor: str = "local", address: str | None = None) -> list[JobResult]:
+        devices: list[int] | None = None, executor: str = "local", address: str | None = None,
+        deadline: float | None = None, on_done: Callable[[int, Job, JobResult], None] | None = None,
+        pools: engine.Pools | None = None) -> list[JobResult]:
+    """One JobResult per job, in the order of `jobs`. on_start(n, job) before a job starts, on_done(n, job,
+    result) after it ends or is skipped; deadline: a time.monotonic() value (see the module's docstring);
+    pools: worker pools to reuse (local executor; the caller closes them), else the run's own."""
     if executor == "ray":
-        return _run_ray(jobs, cache, device, workers, force, address, on_start)
+        return _run_ray(jobs, cache, device, workers, force, address, on_start, deadline, on_done)
     if executor != "local":
         raise UsageError(f"unknown executor {executor!r}; expected local or ray")
     if devices:
-        return _run_devices(jobs, cache, device, workers, force, devices, on_start)
+        return _run_devices(jobs, cache, device, workers, force, devices, on_start, deadline, on_done)
     results = []
-    with engine.Pools() as pools:
+    with engine.Pools() as own:
         for n, job in enumerate(jobs):
-            if on_start is not None:
-                on_start(n, job)
-            results.append(_one(job, cache, device, workers, force, events, pools))
+            if _spent(deadline):
+                res = skipped(job)
+            else:
+                if on_start is not None:
+                    on_start(n, job)
+                res = _one(job, cache, device, workers, force, events, pools or own, deadline=deadline)
+            results.append(res)
+            if on_done is not None:
+                on_done(n, job, res)
     return results
+
+
+def _spent(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _base(job: Job, status: str) -> JobResult:
+    return JobResult(entry=job.entry, op=job.op, shape="x".join(map(str, job.shape)), dtype=job.dtype,
+                     attrs=job.attrs, status=status, share=job.share)
+
+
+def skipped(job: Job) -> JobResult:
+    """A job not started because the run's time budget was spent."""
+    res = _base(job, "skipped")
+    res.note = SKIPPED_NOTE
+    return res
+
+
+def by_share(jobs: list[Job]) -> list[Job]:
+    """Jobs with a share first, largest share first; then the others; ties keep their order."""
+    return sorted(jobs, key=lambda j: (j.share is None, -(j.share or 0.0)))
+
+
+def job_speedup(res: JobResult | None) -> float:
+    """What a job contributes to the end-to-end estimate: its kernel's speedup; 1 for an eager decision,
+    a failed, skipped or not yet run job."""
+    if res is None or res.decision != "kernel" or not res.speedup:
+        return 1.0
+    return res.speedup
+
+
+def estimated_speedup(pairs) -> float | None:
+    """Amdahl over (share, speedup) pairs: 1 / ((1 - covered) + sum(share_i / speedup_i)), covered = the
+    sum of the shares; None when no pair has a share (nothing to estimate from)."""
+    pairs = [(share, sp) for share, sp in pairs if share is not None]
+    if not pairs:
+        return None
+    covered = min(1.0, sum(share for share, _ in pairs))
+    return 1.0 / ((1.0 - covered) + sum(share / sp for share, sp in pairs))
+
+
+def run_estimate(jobs: list[Job], results: dict[int, JobResult] | list[JobResult]) -> float | None:
+    """estimated_speedup of a run: every job's share with its result so far (results: by job index)."""
+    done = dict(enumerate(results)) if isinstance(results, list) else results
+    return estimated_speedup((j.share, job_speedup(done.get(n))) for n, j in enumerate(jobs))
 
 
 def parse_devices(text: str) -> list[int]:
@@ -89,7 +156,8 @@ def parse_devices(text: str) -> list[int]:
     return devs
 
 
-def _run_devices(jobs, cache: Cache, device, workers, force, devices: list[int], on_start) -> list[JobResult]:
+def _run_devices(jobs, cache: Cache, device, workers, force, devices: list[int], on_start, deadline=None,
+                 on_done=None) -> list[JobResult]:
     import torch
 
     if device != "cpu" and torch.cuda.is_available() and max(devices) >= torch.cuda.device_count():
@@ -110,13 +178,18 @@ def _run_devices(jobs, cache: Cache, device, workers, force, devices: list[int],
                         n, job = todo.get_nowait()
                     except queue.Empty:
                         return
-                    if on_start is not None:
-                        with lock:
-                            on_start(n, job)
-                    res = _one(job, db, device, workers, force, None, pools, gpu=dev)
-                    res.device = dev
+                    if _spent(deadline):
+                        res = skipped(job)
+                    else:
+                        if on_start is not None:
+                            with lock:
+                                on_start(n, job)
+                        res = _one(job, db, device, workers, force, None, pools, gpu=dev, deadline=deadline)
+                        res.device = dev
                     with lock:
                         results[n] = res
+                        if on_done is not None:
+                            on_done(n, job, res)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
             errors.append(exc)
         finally:
@@ -133,8 +206,8 @@ def _run_devices(jobs, cache: Cache, device, workers, force, devices: list[int],
 
 
 def _result_from_entry(job: Job, entry) -> JobResult:
-    res = JobResult(entry=job.entry, op=job.op, shape="x".join(map(str, job.shape)), dtype=job.dtype,
-                    attrs=job.attrs, status="cached", decision=entry.decision, key=entry.key)
+    res = _base(job, "cached")
+    res.decision, res.key = entry.decision, entry.key
     if entry.decision == "kernel":
         res.winner = f"{entry.variant}({', '.join(f'{k}={v}' for k, v in (entry.params or {}).items())})"
         res.p50_us = (entry.winner or {}).get("p50")
@@ -143,11 +216,16 @@ def _result_from_entry(job: Job, entry) -> JobResult:
     return res
 
 
-def _ray_job(job_d: dict, device, workers, force, known: dict) -> tuple[dict, dict | None]:
-    """Runs inside a Ray worker: search into a throw-away cache, return the result and the entry."""
+def _ray_job(job_d: dict, device, workers, force, known: dict,
+             deadline_epoch: float | None = None) -> tuple[dict, dict | None]:
+    """Runs inside a Ray worker: search into a throw-away cache, return the result and the entry.
+    deadline_epoch: the run's deadline in Unix time (monotonic clocks differ between machines)."""
     from dataclasses import asdict as _asdict
 
     job = Job(**{**job_d, "shape": tuple(job_d["shape"])})
+    deadline = None if deadline_epoch is None else time.monotonic() + (deadline_epoch - time.time())
+    if _spent(deadline):
+        return skipped(job).to_dict(), None
     backend = engine.resolve_backend(device)
     key = keys.request(job.op, job.shape, job.dtype, backend, job.attrs).key
     if key in known and not force:
@@ -156,7 +234,7 @@ def _ray_job(job_d: dict, device, workers, force, known: dict) -> tuple[dict, di
         db = Cache(os.path.join(d, "forge.db"))
         try:
             with engine.Pools() as pools:
-                res = _one(job, db, device, workers, True, None, pools)
+                res = _one(job, db, device, workers, True, None, pools, deadline=deadline)
             entry = db.get(res.key) if res.key else None
         finally:
             db.close()
@@ -167,7 +245,8 @@ def _ray_job(job_d: dict, device, workers, force, known: dict) -> tuple[dict, di
     return res.to_dict(), (_asdict(entry) if entry is not None else None)
 
 
-def _run_ray(jobs, cache: Cache, device, workers, force, address, on_start) -> list[JobResult]:
+def _run_ray(jobs, cache: Cache, device, workers, force, address, on_start, deadline=None,
+             on_done=None) -> list[JobResult]:
     try:
         import ray
     except ImportError:
@@ -191,10 +270,11 @@ def _run_ray(jobs, cache: Cache, device, workers, force, address, on_start) -> l
         on_cuda = device != "cpu"
         task = ray.remote(num_gpus=1 if on_cuda else 0, num_cpus=1)(_ray_job)
         refs = {}
+        deadline_epoch = None if deadline is None else time.time() + (deadline - time.monotonic())
         for n, job in enumerate(jobs):
             if on_start is not None:
                 on_start(n, job)
-            refs[task.remote(_asdict(job), device, workers, force, known)] = n
+            refs[task.remote(_asdict(job), device, workers, force, known, deadline_epoch)] = n
         results: dict[int, JobResult] = {}
         pending = list(refs)
         while pending:
@@ -204,30 +284,32 @@ def _run_ray(jobs, cache: Cache, device, workers, force, address, on_start) -> l
             try:
                 res_d, entry_d = ray.get(done[0])
             except ray.exceptions.RayError as exc:
-                results[n] = JobResult(entry=job.entry, op=job.op, shape="x".join(map(str, job.shape)),
-                                       dtype=job.dtype, attrs=job.attrs, status="failed",
-                                       error=f"Ray task failed: {str(exc).splitlines()[0]}",
-                                       exit_code=int(ExitCode.ENVIRONMENT))
-                continue
-            if res_d.get("status") == "cached" and entry_d is None:
-                entry = cache.get(res_d["key"])
-                results[n] = _result_from_entry(job, entry)
-                continue
-            if entry_d is not None:
-                cache.put(Entry(**entry_d))
-            results[n] = JobResult(**res_d)
+                res = _base(job, "failed")
+                res.error = f"Ray task failed: {str(exc).splitlines()[0]}"
+                res.exit_code = int(ExitCode.ENVIRONMENT)
+            else:
+                if res_d.get("status") == "cached" and entry_d is None:
+                    res = _result_from_entry(job, cache.get(res_d["key"]))
+                else:
+                    if entry_d is not None:
+                        cache.put(Entry(**entry_d))
+                    res = JobResult(**res_d)
+            results[n] = res
+            if on_done is not None:
+                on_done(n, job, res)
         return [results[n] for n in sorted(results)]
     finally:
         if started_here:
             ray.shutdown()
 
 
-def _one(job: Job, cache: Cache, device, workers, force, events, pools, gpu: int | None = None) -> JobResult:
-    base = JobResult(entry=job.entry, op=job.op, shape="x".join(map(str, job.shape)), dtype=job.dtype,
-                     attrs=job.attrs, status="failed", started=time.time())
+def _one(job: Job, cache: Cache, device, workers, force, events, pools, gpu: int | None = None,
+         deadline: float | None = None) -> JobResult:
+    base = _base(job, "failed")
+    base.started = time.time()
     t0 = time.monotonic()
     opts = engine.SearchOptions(budget=job.budget, strategy=job.strategy, seed=job.seed, force=force,
-                                timeout=job.timeout, workers=workers)
+                                timeout=job.timeout, workers=workers, deadline=deadline)
     try:
         rep = engine.search(job.op, job.shape, job.dtype, device=device, cache=cache, attrs=job.attrs,
                             options=opts, events=events, pools=pools, gpu=gpu)
@@ -248,7 +330,14 @@ def _one(job: Job, cache: Cache, device, workers, force, events, pools, gpu: int
         base.p50_us = w["quantiles"]["p50"]
     base.eager_p50_us = rep.baseline.p50 if rep.baseline else None
     base.speedup = rep.speedup
-    if rep.decision == "none":
+    if rep.cut_short is not None:
+        base.note = f"cut short: {rep.cut_short}" + (
+            "; eager not cached (a rerun searches again)" if rep.decision == "eager" else "")
+    if rep.decision == "none" and rep.cut_short is not None:
+        # The budget ran out before a decision: some candidates were never tried, so this is no failure.
+        base.status, base.decision = "skipped", None
+        base.note = f"{SKIPPED_NOTE}: cut short before a decision ({rep.cut_short})"
+    elif rep.decision == "none":
         base.status, base.exit_code = "failed", int(ExitCode.ALL_FAILED)
         base.error = "every candidate failed (nothing cached)"
     return base

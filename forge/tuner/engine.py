@@ -1,6 +1,14 @@
 """The search engine: spec -> cache lookup -> candidates -> validate (parallel) -> time (serial)
 -> finalists re-timed interleaved with eager -> decision -> cache.
 
+A deadline (SearchOptions.deadline, a time.monotonic() value: what `--time-budget` leaves) cuts a search
+short: once it has passed, no new candidate is validated (validation then runs in chunks of the pool's
+size, so a chunk started before the deadline is the most that runs after it) or timed, and the search
+decides from the candidates it timed (the finalists are still re-timed against eager: the decision rule
+needs that). A *kernel* decided that way is cached (it validated and beat eager by the margin); an
+*eager* one is not (a longer search may still find a kernel), and a search cut short before any
+candidate was timed decides "none" with `cut_short` set (nothing failed; nothing is cached).
+
 The CLI is a thin layer over `search()`; progress is reported through an `events` callback so the
 engine never prints.
 """
@@ -59,6 +67,7 @@ class SearchOptions:
     timeout: float = 120.0
     workers: int | None = None
     finalists: int = 3
+    deadline: float | None = None  # time.monotonic() after which no candidate starts validating or timing
 
 
 @dataclass
@@ -109,6 +118,8 @@ class SearchReport:
     note: str | None = None
     # The memory model's estimate (memory.Footprint), the free memory and the validation lanes admitted.
     memory: dict[str, Any] | None = None
+    # Why the search stopped before its budget (its deadline passed), None if it did not.
+    cut_short: str | None = None
 
     @property
     def backend(self) -> str:
@@ -140,6 +151,7 @@ class SearchReport:
             "stored": self.stored,
             "note": self.note,
             "memory": self.memory,
+            "cut_short": self.cut_short,
         }
 
 
@@ -276,6 +288,10 @@ def search(op_name: str, shape: tuple[int, ...], dtype: str, *, device: str | No
             return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
         note = refused
     check_fits(spec, backend, gpu)
+    if opts.deadline is not None and time.monotonic() >= opts.deadline:  # no workers started for nothing
+        return SearchReport(op=op.name, spec=spec, env=env, key=loc.key, decision="none", cache_hit=False,
+                            seconds=time.monotonic() - t0, cache_path=str(cache.path), note=note,
+                            cut_short="the time budget was spent before the search started")
 
     with device_lock(device_id(env, gpu), on_wait=lambda p: emit("waiting-for-lock", path=str(p))):
         # Another process may have decided this key while we waited for the device.
@@ -391,6 +407,11 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     lap("startup")
     mem = Admission(spec, memory.estimate(op.module, spec), backend, gpu, size)
     forge_oom: dict[Candidate, dict] = {}  # this batch's candidates whose validation forge's own work starved
+    dropped = 0  # candidates proposed but never validated: the deadline passed first
+    stopped = False  # the deadline stopped the search before its budget or its space ran out
+
+    def out_of_time() -> bool:
+        return opts.deadline is not None and time.monotonic() >= opts.deadline
 
     def on_validated(cand: Candidate, reply: dict) -> None:
         if _forge_oom(reply):  # forge's oracle or inputs ran out of memory, not the candidate: decided below
@@ -402,10 +423,29 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
             r.reason = (r.reason or "out of memory") + mem.note()
         emit("validated", result=r)
 
+    def validate(cands: list[Candidate]) -> None:
+        forge_oom.clear()
+        lanes = mem.admit(pool, opts.timeout, emit)
+        pool.map([(c, {"cmd": "validate", "path": results[c].path}) for c in cands], opts.timeout,
+                 on_validated, lanes=lanes)
+        if forge_oom and lanes > 1:  # other workers' validations took the memory: one at a time now
+            mem.limit = 1
+            retry = list(forge_oom)
+            forge_oom.clear()
+            mem.admit(pool, opts.timeout, emit)
+            pool.map([(c, {"cmd": "validate", "path": results[c].path}) for c in retry], opts.timeout,
+                     on_validated, lanes=1)
+        if forge_oom:
+            raise mem.problem("validating a candidate (forge's inputs, float64 oracle or comparison)",
+                              next(iter(forge_oom.values())))
+
     try:
         while len(results) < opts.budget:
             batch = strat.propose(space, results, opts.budget - len(results))
             if not batch:
+                break
+            if out_of_time():
+                stopped, dropped = True, dropped + len(batch)
                 break
             emit("batch", size=len(batch))
             for cand in batch:
@@ -415,24 +455,27 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 results[cand] = res
             lap("render")
 
-            # Phase 1: compile + validate, in parallel on as many workers as the free memory admits.
-            forge_oom.clear()
-            lanes = mem.admit(pool, opts.timeout, emit)
-            pool.map([(c, {"cmd": "validate", "path": results[c].path}) for c in batch], opts.timeout,
-                     on_validated, lanes=lanes)
-            if forge_oom and lanes > 1:  # other workers' validations took the memory: one at a time now
-                mem.limit = 1
-                retry = list(forge_oom)
-                forge_oom.clear()
-                lanes = mem.admit(pool, opts.timeout, emit)
-                pool.map([(c, {"cmd": "validate", "path": results[c].path}) for c in retry], opts.timeout,
-                         on_validated, lanes=1)
-            if forge_oom:
-                raise mem.problem("validating a candidate (forge's inputs, float64 oracle or comparison)",
-                                  next(iter(forge_oom.values())))
+            # Phase 1: compile + validate, in parallel on as many workers as the free memory admits
+            # (with a deadline, in chunks of the pool's size, none started after the deadline).
+            chunk = len(batch) if opts.deadline is None else size
+            for start in range(0, len(batch), chunk):
+                if out_of_time():
+                    for cand in batch[start:]:
+                        del results[cand]
+                    stopped, dropped = True, dropped + len(batch) - start
+                    batch = batch[:start]
+                    break
+                validate(batch[start:start + chunk])
             lap("validate")
 
             # Phase 2: time the valid ones one at a time on one worker (the others are idle).
+            if out_of_time():
+                untimed = [results[c] for c in batch if results[c].status == Status.OK]
+                for r in untimed:
+                    r.reason = "not timed: the time budget ran out"
+                more = len(results) < opts.budget and bool(strat.propose(space, results, opts.budget - len(results)))
+                stopped = stopped or bool(untimed) or more
+                break
             if baseline is None:
                 reply = pool.call({"cmd": "time", "paths": [], "baseline": True,
                                    "reps": sampling.screen_reps, "settle_ms": sampling.settle_ms},
@@ -448,6 +491,9 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 r = results[cand]
                 if r.status != Status.OK:
                     continue
+                if out_of_time():
+                    r.reason, stopped = "not timed: the time budget ran out", True
+                    continue
                 reply = pool.call({"cmd": "time", "paths": [r.path], "reps": sampling.screen_reps},
                                   opts.timeout)
                 if _forge_oom(reply):
@@ -460,6 +506,8 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                         r.reason = (r.reason or "out of memory") + mem.note()
                 emit("timed", result=r)
             lap("time")
+            if stopped:
+                break
 
         decision, winner, source, baseline = _decide(pool, results, baseline, sampling, opts, emit, mem)
         lap("final")
@@ -472,16 +520,21 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
             pool.close()
 
     seconds = time.monotonic() - t0
+    cut_short = None
+    if stopped:
+        timed = sum(r.screen is not None for r in results.values())
+        cut_short = (f"the time budget ran out: {timed} candidate(s) timed, {len(results)} validated, "
+                     f"{dropped} proposed but not started (budget {opts.budget})")
     summary = [r.to_dict(baseline) for r in sorted(results.values(), key=_rank)]
     report = SearchReport(op=op.name, spec=spec, env=env, key=key, decision=decision, cache_hit=False,
                           seconds=seconds, baseline=baseline, candidates=summary, source=source,
                           cache_path=str(cache.path), phases=phases,
                           memory={"estimate": mem.footprint.to_dict(), "free": mem.free, "total": mem.total,
-                                  "workers": size, "validation_lanes": mem.lanes})
+                                  "workers": size, "validation_lanes": mem.lanes}, cut_short=cut_short)
     if winner is not None:
         report.winner = {"variant": winner.candidate.variant, "params": winner.candidate.p,
                          "quantiles": winner.final.to_dict()}
-    if decision != "none":
+    if decision == "kernel" or (decision == "eager" and cut_short is None):
         cache.put(Entry(
             key=key, op=op.name, spec=spec.to_dict(), env=env, decision=decision,
             variant=winner.candidate.variant if winner else None,

@@ -11,6 +11,7 @@ Format (docs/manifest.md, forge.toml.example):
     timeout = 120              # seconds per candidate
     workers = 8
     cache = "tuning/forge.db"  # relative to the manifest's directory
+    time_budget = 3600         # seconds of wall clock for the whole run (run-wide)
 
     [[op]]
     op = "rmsnorm"
@@ -18,10 +19,16 @@ Format (docs/manifest.md, forge.toml.example):
     dtypes = ["float16", "bfloat16"]      # or dtype = "float16"
     budget = 80                           # per-entry: dtype(s), budget, strategy, seed, timeout
     eps = 1e-6                            # any other key is one of the op's attributes
+    share = 0.31                          # fraction of the model's time (forge trace --profile writes it)
 
 Precedence, per setting, first found wins: command-line option > environment variable (FORGE_DEVICE,
-FORGE_DTYPE, FORGE_BUDGET, FORGE_STRATEGY, FORGE_SEED, FORGE_TIMEOUT, FORGE_WORKERS; the cache:
-FORGE_CACHE_DIR) > the entry's own value > the manifest's [defaults] > forge's built-in default.
+FORGE_DTYPE, FORGE_BUDGET, FORGE_STRATEGY, FORGE_SEED, FORGE_TIMEOUT, FORGE_WORKERS, FORGE_TIME_BUDGET;
+the cache: FORGE_CACHE_DIR) > the entry's own value > the manifest's [defaults] > forge's built-in default.
+
+`share` (0..1) is the fraction of the profiled model time the entry's op took; an entry that expands
+to several jobs (shapes x dtypes) splits it evenly among them (Job.share). The entries' shares add up
+to at most 1. `forge search --manifest` tunes jobs by share, largest first, and estimates the model's
+end-to-end speedup from them (batch.estimated_speedup).
 
 Every error names the file, the entry and the field, and is a UsageError (exit code 2).
 """
@@ -42,12 +49,16 @@ from forge.spec import DTYPES, canonical_json, parse_shape
 from forge.tuner import strategy
 
 BUILTIN = {"device": None, "dtype": "float16", "budget": 50, "strategy": "grid", "seed": 0, "timeout": 120.0,
-           "workers": None}
+           "workers": None, "time_budget": None}
 ENV = {"device": "FORGE_DEVICE", "dtype": "FORGE_DTYPE", "budget": "FORGE_BUDGET", "strategy": "FORGE_STRATEGY",
-       "seed": "FORGE_SEED", "timeout": "FORGE_TIMEOUT", "workers": "FORGE_WORKERS"}
-RUN_WIDE = ("device", "workers", "cache")  # one pool and one cache per run: [defaults] only
+       "seed": "FORGE_SEED", "timeout": "FORGE_TIMEOUT", "workers": "FORGE_WORKERS",
+       "time_budget": "FORGE_TIME_BUDGET"}
+# One pool, one cache and one wall-clock budget per run: [defaults] only.
+RUN_WIDE = ("device", "workers", "cache", "time_budget")
 PER_ENTRY = ("dtype", "budget", "strategy", "seed", "timeout")
-ENTRY_FIELDS = ("op", "shape", "shapes", "dtypes", *PER_ENTRY)
+ENTRY_FIELDS = ("op", "shape", "shapes", "dtypes", "share", *PER_ENTRY)
+# The entries' shares may add up to a little over 1 from rounding (forge trace writes 6 digits).
+SHARE_SUM_SLACK = 1e-3
 
 
 class ManifestError(UsageError):
@@ -67,6 +78,9 @@ class Job:
     seed: int
     timeout: float
     entry: int  # 1-based [[op]] index in the manifest, for messages
+    # This job's part of the profiled model time (0..1): its entry's `share` split evenly over the
+    # entry's jobs; None when the entry gives no share.
+    share: float | None = None
 
     @property
     def label(self) -> str:
@@ -87,6 +101,7 @@ class Manifest:
     workers: int | None = None
     cache: Path | None = None
     raw_defaults: dict[str, Any] = field(default_factory=dict)
+    time_budget: float | None = None  # seconds of wall clock for the whole run; None: no limit
 
 
 # -- value checks (one per setting) ----------------------------------------------------------------
@@ -101,7 +116,8 @@ def check_setting(name: str, v: Any, where: str | None) -> Any:
     def bad(expected: str) -> ManifestError:
         what = (f"unknown {name} {shown(v)}; expected {expected}" if enumerated
                 else f"expected {expected}, got {shown(v)}")
-        return ManifestError(f"--{name}: {what}" if where is None else f"{where}: field '{name}': {what}")
+        flag = "--" + name.replace("_", "-")
+        return ManifestError(f"{flag}: {what}" if where is None else f"{where}: field '{name}': {what}")
 
     if name == "device":
         if v not in ("cuda", "cpu"):
@@ -122,6 +138,14 @@ def check_setting(name: str, v: Any, where: str | None) -> Any:
         if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 or v == float("inf"):
             raise bad("a positive number of seconds")
         v = float(v)
+    elif name == "time_budget":
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0 or v == float("inf"):
+            raise bad("a number of seconds >= 0")
+        v = float(v)
+    elif name == "share":
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
+            raise bad("a fraction of the model's time, a number from 0 to 1")
+        v = float(v)
     elif name == "cache":
         if not isinstance(v, str) or not v:
             raise bad("a path string")
@@ -139,7 +163,7 @@ def _from_env(name: str, env: Mapping[str, str]) -> Any:
             value = int(raw)
         except ValueError:
             raise UsageError(f"environment variable {var}={raw!r}: expected an integer") from None
-    elif name == "timeout":
+    elif name in ("timeout", "time_budget"):
         try:
             value = float(raw)
         except ValueError:
@@ -200,10 +224,6 @@ def _dtypes(entry: dict, where: str) -> list[str | None]:
 def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
          env: Mapping[str, str] | None = None) -> Manifest:
     """Parse and validate a manifest, expand its entries into jobs and resolve every setting."""
-    from forge import ops
-
-    cli = dict(cli or {})
-    env = os.environ if env is None else env
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -215,6 +235,19 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
         raise ManifestError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(f"{path}: invalid TOML: {exc}") from None
+    return parse(doc, path, cli=cli, env=env)
+
+
+def parse(doc: dict[str, Any], path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
+          env: Mapping[str, str] | None = None) -> Manifest:
+    """A manifest from its parsed document ({"defaults": {...}, "op": [{...}, ...]}, what TOML gives);
+    `path` names it in messages and anchors a relative cache path. forge trace DIR/ builds its jobs here
+    from the entries it found, with the same checks and precedence as a file."""
+    from forge import ops
+
+    cli = dict(cli or {})
+    env = os.environ if env is None else env
+    path = Path(path)
     unknown = sorted(set(doc) - {"defaults", "op"})
     if unknown:
         raise ManifestError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}; "
@@ -223,6 +256,9 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
     if not isinstance(defaults, dict):
         raise ManifestError(f"{path}: 'defaults' must be a table ([defaults])")
     where_d = f"{path}: [defaults]"
+    if "share" in defaults:
+        raise ManifestError(f"{where_d}: field 'share' belongs to an [[op]] entry (the fraction of the model's "
+                            "time that entry's op took)")
     bad = sorted(set(defaults) - set(BUILTIN) - {"cache"})
     if bad:
         raise ManifestError(f"{where_d}: unknown field(s) {', '.join(shown(b, 40) for b in bad[:10])}; known: "
@@ -237,6 +273,7 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
     families: dict[str, ops.OpFamily] = {}  # loaded once per op, not once per entry (manifests of 10^5 entries)
     jobs: list[Job] = []
     seen: dict[str, Job] = {}
+    share_sum = 0.0
     for i, entry in enumerate(entries, 1):
         name = entry.get("op")
         where = f"{path}: [[op]] #{i}" + (f" ({cut(name, 40)})" if isinstance(name, str) else "")
@@ -270,10 +307,15 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
                 raise ManifestError(f"{where}: field '{k}': {exc}") from None
             attrs[k] = v
         own = {k: check_setting(k, entry[k], where) for k in PER_ENTRY if k in entry and k != "dtype"}
+        share = check_setting("share", entry["share"], where) if "share" in entry else None
         # An override (--dtype, FORGE_DTYPE) replaces the entry's dtype list by that one dtype.
         dtypes = list(dict.fromkeys(resolve("dtype", cli, env, {"dtype": dt}, defaults)
                                     for dt in _dtypes(entry, where)))
-        for shape in _shapes(entry, where):
+        shapes = _shapes(entry, where)
+        if share is not None:
+            share_sum += share
+            share /= len(shapes) * len(dtypes)  # split evenly over the entry's jobs
+        for shape in shapes:
             for dtype in dtypes:
                 try:
                     spec = opmod.make_spec(shape, dtype, "cpu", attrs)
@@ -284,12 +326,15 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
                           budget=resolve("budget", cli, env, own, defaults),
                           strategy=resolve("strategy", cli, env, own, defaults),
                           seed=resolve("seed", cli, env, own, defaults),
-                          timeout=resolve("timeout", cli, env, own, defaults), entry=i)
+                          timeout=resolve("timeout", cli, env, own, defaults), entry=i, share=share)
                 if job.identity in seen:
                     first = seen[job.identity]
                     raise ManifestError(f"{where}: duplicate of [[op]] #{first.entry}: {job.label} is listed twice")
                 seen[job.identity] = job
                 jobs.append(job)
+    if share_sum > 1.0 + SHARE_SUM_SLACK:
+        raise ManifestError(f"{path}: field 'share': the entries' shares add up to {share_sum:.4g}, more than 1 "
+                            "(each is a fraction of the same model's time)")
     cache = None
     if cli.get("cache") is not None:
         cache = Path(cli["cache"])
@@ -300,7 +345,8 @@ def load(path: str | os.PathLike, *, cli: Mapping[str, Any] | None = None,
         if not cache.is_absolute():
             cache = path.parent / cache
     return Manifest(path=path, jobs=jobs, device=resolve("device", cli, env, defaults),
-                    workers=resolve("workers", cli, env, defaults), cache=cache, raw_defaults=defaults)
+                    workers=resolve("workers", cli, env, defaults), cache=cache, raw_defaults=defaults,
+                    time_budget=resolve("time_budget", cli, env, defaults))
 
 
 # -- sharding --------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ node's real value, shape, strides and dtype is known), and Dynamo's state is res
 A graph break (data-dependent control flow, a print, an unsupported call) gives several graphs; each
 is listed, and its graph is split into regions, each matched to an op family (forge/regions.py).
 
-`--profile` attributes run time to regions (each graph node runs inside one profiler range, so a
-kernel is counted once, in the range that launched it; time outside the captured graphs is not
-attributed), `--write-manifest` writes the matched (op, shape, dtype, attrs) for
-`forge search --manifest`, and `--verify` runs the target again under TorchDynamo with each captured
+`--profile` attributes run time to every call of the captured graphs, matched or not (each graph node
+runs inside one profiler range, so a kernel is counted once, in the range that launched it; time
+outside the captured graphs is not attributed) and ranks them, `--write-manifest` writes the matched
+(op, shape, dtype, attrs) for `forge search --manifest` (with each entry's share of the profiled time
+when profiled), and `--verify` runs the target again under TorchDynamo with each captured
 graph replaced by a copy in which every region that has a cached kernel calls that kernel, and
 compares every tensor of the output with eager end to end (if the second capture does not give the
 same graphs, it says it cannot verify rather than compare something else).
@@ -269,33 +270,94 @@ def annotate_with_cache(result: TraceResult, cache, backend: str) -> None:
 
 
 # -- manifest --------------------------------------------------------------------------------------
-def manifest_entries(regions: list[Region]) -> list[dict[str, Any]]:
-    """One [[op]] per (op, dtype, attrs), with every distinct shape, in first-seen order."""
+SHARE_DIGITS = 6  # a share is written rounded to 6 decimals (1 ppm of the model's time)
+
+
+def manifest_entries(regions: list[Region], total_us: float | None = None) -> list[dict[str, Any]]:
+    """The tunable regions as [[op]] entries for a manifest.
+
+    Without a profile (total_us None or 0): one [[op]] per (op, dtype, attrs) listing every distinct
+    shape, in first-seen order. With one (total_us: profile()'s total, the regions' `seconds` set): one
+    [[op]] per (op, shape, dtype, attrs) with `share` = the fraction of the profiled time its regions
+    took (summed over every region of that job), largest share first, so each job's share is exact."""
     grouped: dict[tuple, dict[str, Any]] = {}
     for r in regions:
         if r.unsupported or r.shape is None:
             continue
-        key = (r.op, r.dtype, tuple(sorted(r.attrs.items())))
-        e = grouped.setdefault(key, {"op": r.op, "shapes": [], "dtype": r.dtype, **r.attrs})
         s = "x".join(map(str, r.shape))
+        attrs = tuple(sorted(r.attrs.items()))
+        if total_us:
+            e = grouped.setdefault((r.op, s, r.dtype, attrs),
+                                   {"op": r.op, "shape": s, "dtype": r.dtype, **r.attrs, "share": 0.0})
+            e["share"] += r.seconds * 1e6 / total_us
+            continue
+        e = grouped.setdefault((r.op, r.dtype, attrs), {"op": r.op, "shapes": [], "dtype": r.dtype, **r.attrs})
         if s not in e["shapes"]:
             e["shapes"].append(s)
-    return list(grouped.values())
+    entries = list(grouped.values())
+    if total_us:
+        for e in entries:
+            e["share"] = min(1.0, round(e["share"], SHARE_DIGITS))
+        entries.sort(key=lambda e: -e["share"])
+    return entries
 
 
 # -- profile ---------------------------------------------------------------------------------------
-def _labels(result: TraceResult) -> dict:
+def _labels(result: TraceResult) -> tuple[dict, list]:
+    """({node: profiler range name}, the calls in neither a region nor the unmatched list: (graph, node)).
+    Every call node of every captured graph gets a range, so every kernel the graphs run is attributed.
+    The third kind are calls whose value is not one tensor (a tuple from split/chunk/max(dim), a scalar):
+    regions and the unmatched list hold tensor-valued calls only. A getitem of such a tuple launches nothing
+    and is left out."""
+    import operator
+
     labels = {}
     for r in result.regions:
         for n in r.nodes:
             labels[n] = f"forge_region_{r.index}"
     for u in result.unmatched:
-        labels[u.node] = _other_label(u)
-    return labels
+        labels[u.node] = _node_label(u.graph, u.node)
+    others = []
+    for gi, g in enumerate(result.graphs):
+        for n in g.gm.graph.nodes:
+            if n.op.startswith("call_") and n not in labels and n.target is not operator.getitem:
+                labels[n] = _node_label(gi, n)
+                others.append((gi, n))
+    return labels, others
 
 
-def _other_label(u: Unmatched) -> str:
-    return f"forge_other_{u.graph}_{u.node.name}"
+def _node_label(graph: int, node) -> str:
+    return f"forge_other_{graph}_{node.name}"
+
+
+def _describe(node) -> str:
+    t = node.target
+    return f"{node.op.replace('call_', '')} {t if isinstance(t, str) else getattr(t, '__name__', str(t))}"
+
+
+def ranking(result: TraceResult, other_us: dict | None = None) -> list[dict[str, Any]]:
+    """Every profiled call of the captured graphs, largest time first: regions (tunable or not), unmatched
+    calls and the other calls (other_us: {(graph, node name): µs}); each with its µs per run, its share
+    of the profiled time and the running total of the shares."""
+    rows = []
+    for r in result.regions:
+        rows.append({"kind": "region" if r.unsupported is None else "region (not tunable)", "graph": r.graph,
+                     "region": r.index, "node": r.root.name, "what": r.label, "reason": r.unsupported,
+                     "us": r.seconds * 1e6})
+    for u in result.unmatched:
+        rows.append({"kind": "unmatched", "graph": u.graph, "region": None, "node": u.node.name,
+                     "what": f"{u.call} {'x'.join(map(str, u.shape))}", "reason": u.reason, "us": u.seconds * 1e6})
+    for (gi, name), (call, us) in (other_us or {}).items():
+        rows.append({"kind": "other", "graph": gi, "region": None, "node": name, "what": call,
+                     "reason": "not a single tensor value (a tuple or a scalar): no op family takes it", "us": us})
+    total = sum(row["us"] for row in rows)
+    rows.sort(key=lambda row: -row["us"])
+    running = 0.0
+    for row in rows:
+        row["share"] = row["us"] / total if total else 0.0
+        running += row["share"]
+        row["cumulative"] = running
+    return rows
 
 
 def profile(result: TraceResult, iters: int = 5) -> dict[str, Any]:
@@ -307,7 +369,7 @@ def profile(result: TraceResult, iters: int = 5) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, record_function
 
-    labels = _labels(result)
+    labels, others = _labels(result)
     cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in result.target.args) or any(
         isinstance(v, torch.Tensor) and v.is_cuda for g in result.graphs for v in (g.values.get(p) for p in
                                                                                  g.placeholders))
@@ -352,14 +414,15 @@ def profile(result: TraceResult, iters: int = 5) -> dict[str, Any]:
     for r in result.regions:
         r.seconds = per.get(f"forge_region_{r.index}", 0.0) / 1e6
     for u in result.unmatched:
-        u.seconds = per.get(_other_label(u), 0.0) / 1e6
+        u.seconds = per.get(_node_label(u.graph, u.node), 0.0) / 1e6
+    other_us = {(gi, n.name): (_describe(n), per.get(_node_label(gi, n), 0.0)) for gi, n in others}
     frac = {r.index: (r.seconds * 1e6 / total if total else 0.0) for r in result.regions}
     sped = sum(frac[r.index] / (r.speedup or 1.0) for r in result.regions)
     covered = sum(frac.values())
     estimate = 1.0 / ((1.0 - covered) + sped) if total else None
     result.profile = {"clock": "device (CUDA kernels)" if cuda else "host CPU", "iters": iters,
                       "total_us": total, "covered_fraction": covered, "amdahl_speedup": estimate,
-                      "graphs": len(result.graphs)}
+                      "graphs": len(result.graphs), "ranking": ranking(result, other_us)}
     return result.profile
 
 
@@ -368,61 +431,6 @@ def profile(result: TraceResult, iters: int = 5) -> dict[str, Any]:
 # gate (opkit tolerances); end to end, several ops' rounding differences add up, and bf16 carries
 # 8 mantissa bits (2^-8 = 0.4% per rounding).
 VERIFY_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
-
-
-def swapped_graphs(result: TraceResult, cache, backend: str) -> tuple[list, dict[int, str]]:
-    """A copy of each captured graph with each region that has a cached kernel replaced by that kernel.
-    Returns ([GraphModule per graph], {region index: 'kernel' | reason})."""
-    import torch.fx as fx
-
-    from forge.shim import load
-
-    status: dict[int, str] = {}
-    modules = []
-    for gi, g in enumerate(result.graphs):
-        gm = fx.GraphModule(g.gm, g.gm.graph.__deepcopy__())
-        nodes = {n.name: n for n in gm.graph.nodes}
-        for r in (r for r in result.regions if r.graph == gi):
-            if r.unsupported or r.shape is None:
-                status[r.index] = f"not tunable: {r.unsupported}"
-                continue
-            device = "cuda" if backend == "cuda" else "cpu"
-            try:
-                kernel = load(r.op, r.shape, r.dtype, device=device, cache=str(cache.path), **r.attrs)
-            except LookupError as exc:
-                status[r.index] = f"eager ({exc})"
-                continue
-            fam = ops.get(r.op).module
-
-            def call(*leaf_values, _k=kernel, _fam=fam, _idx=tuple(r.indices)):
-                picked = [leaf_values[i] if i is not None else None for i in _idx]
-                return _k(*_fam.fill_missing(picked))
-
-            root = nodes[r.root.name]
-            leaf_args = []
-            for leaf in r.leaves:
-                if isinstance(leaf, str):  # a module parameter by qualified name (a get_attr of the graph)
-                    with gm.graph.inserting_before(root):
-                        leaf_args.append(gm.graph.get_attr(leaf))
-                else:
-                    leaf_args.append(nodes[leaf.name])
-            with gm.graph.inserting_before(root):
-                new = gm.graph.call_function(call, tuple(leaf_args))
-            root.replace_all_uses_with(new)
-            status[r.index] = "kernel"
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-        modules.append(gm)
-    return modules, status
-
-
-def _graph_key(gm, inputs) -> tuple:
-    """What identifies a captured graph across two captures: its code and its inputs' shapes/dtypes."""
-    import torch
-
-    metas = tuple((tuple(t.shape), str(t.dtype), t.device.type) if isinstance(t, torch.Tensor) else repr(t)
-                  for t in inputs)
-    return gm.code, metas
 
 
 def _tensor_leaves(out) -> list:
@@ -471,59 +479,91 @@ def compare_outputs(ref, got) -> dict[str, Any]:
 
 
 def verify(result: TraceResult, cache, backend: str, iters: int = 20) -> dict[str, Any]:
-    """Run the target under TorchDynamo again, each captured graph swapped for its copy with the cached
-    kernels, and compare with eager end to end. The second capture must give the graphs the first did
-    (same code, same input shapes); where it does not, this says it cannot verify (a usage error)
-    rather than compare a run that did not use the swapped graphs."""
+    """Run the target through the forge TorchDynamo backend (forge/backend.py: each region with a cached
+    kernel runs it, guarded; nothing is searched) and compare every output tensor with eager end to end.
+    Reports the speedup per forward as host wall time and, on CUDA, as device time (the kernels' own
+    time, torch.profiler), and the share of the forge run's device time spent in forge kernels."""
     import torch
 
-    modules, status = swapped_graphs(result, cache, backend)
-    table: dict = {}
-    for g, gm in zip(result.graphs, modules, strict=True):
-        table.setdefault(_graph_key(g.gm, [g.values[p] for p in g.placeholders]), gm)
-    used: set = set()
-    unknown: list[str] = []
-
-    def swap(gm, example_inputs):
-        key = _graph_key(gm, example_inputs)
-        if key not in table:
-            unknown.append(f"{len(list(gm.graph.nodes))} nodes")
-            return gm.forward
-        used.add(key)
-        return table[key].forward
+    from forge.backend import Backend
 
     target = result.target
     with torch.no_grad():
         ref = target.fn(*target.args)
+    be = Backend(miss="eager", cache=cache.path, interpreter=backend == "interpreter", label_kernels=True)
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(target.fn, backend=swap, dynamic=False, fullgraph=False)
+        compiled = torch.compile(target.fn, backend=be, dynamic=False, fullgraph=False)
         with torch.no_grad(), _QuietDynamo():
+            compiled(*target.args)  # the first call plans each graph (and returns the recorded run)
             got = compiled(*target.args)
-        if unknown or used != set(table):
-            raise UsageError(f"--verify: cannot verify: capturing {target.description} again gave other graphs "
-                             f"({len(unknown)} not seen before, {len(set(table) - used)} of the first capture "
-                             "not run), so the swapped kernels would not be what runs")
         cmp = compare_outputs(ref, got)
+        report = be.explain()
+        cuda = backend == "cuda"
 
         def timed(fn) -> float:
             with torch.no_grad():
                 for _ in range(3):
                     fn()
-                if backend == "cuda":
+                if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     fn()
-                if backend == "cuda":
+                if cuda:
                     torch.cuda.synchronize()
             return (time.perf_counter() - t0) / iters * 1e6
 
         eager_us = timed(lambda: target.fn(*target.args))
         forge_us = timed(lambda: compiled(*target.args))
+        device = _device_times(lambda: target.fn(*target.args), lambda: compiled(*target.args), iters) if cuda \
+            else None
     finally:
         torch._dynamo.reset()
-    return {**cmp, "eager_us": eager_us, "forge_us": forge_us, "speedup": eager_us / forge_us if forge_us else None,
-            "regions": {str(k): v for k, v in status.items()}, "graphs": len(result.graphs),
-            "swapped": sum(v == "kernel" for v in status.values()),
-            "clock": "host wall time per call (the forge run under TorchDynamo)"}
+    by_node = {(r.graph, r.node): r for r in report.regions}
+    status = {}
+    for r in result.regions:
+        seen = by_node.get((r.graph, r.root.name))
+        if seen is None:
+            status[r.index] = "not run (the backend's capture did not reach this region)"
+        else:
+            status[r.index] = "kernel" if seen.uses == "kernel" else f"eager ({seen.reason})"
+    doc = {**cmp, "eager_us": eager_us, "forge_us": forge_us, "speedup": eager_us / forge_us if forge_us else None,
+           "regions": {str(k): v for k, v in status.items()}, "graphs": report.graphs, "swapped": report.kernels,
+           "clock": "host wall time per call (the forge run under TorchDynamo)"}
+    if device is not None:
+        doc.update(device)
+    return doc
+
+
+def _device_times(eager, forged, iters: int) -> dict[str, Any]:
+    """Device time per forward of both runs (the sum of their kernels' own time, torch.profiler) and the
+    share of the forge run's device time in forge kernels (launched inside the backend's labelled calls)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    def kernels(fn) -> tuple[float, float]:
+        with torch.no_grad():
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(iters):
+                    fn()
+                torch.cuda.synchronize()
+        from torch.autograd import DeviceType
+
+        total = forge = 0.0
+        for evt in prof.key_averages():
+            if evt.device_type == DeviceType.CUDA:  # kernels, copies, sets: each on its own row, counted once
+                own = getattr(evt, "self_device_time_total", None)
+                total += getattr(evt, "self_cuda_time_total", 0.0) if own is None else own
+            if evt.key == "forge_kernel":
+                inside = getattr(evt, "device_time_total", None)
+                forge += getattr(evt, "cuda_time_total", 0.0) if inside is None else inside
+        return total / iters, forge / iters
+
+    eager_dev, _ = kernels(eager)
+    forge_dev, in_forge = kernels(forged)
+    return {"eager_device_us": eager_dev, "forge_device_us": forge_dev,
+            "device_speedup": eager_dev / forge_dev if forge_dev else None,
+            "forge_kernel_share": in_forge / forge_dev if forge_dev else None}

@@ -30,6 +30,7 @@ from forge_cli.options import (
     SeedOpt,
     ShapeOpt,
     StrategyOpt,
+    TimeBudgetOpt,
     TimeoutOpt,
     WorkersOpt,
     check_settings,
@@ -38,7 +39,7 @@ from forge_cli.options import (
 )
 from forge_cli.render import age, err, fail, fmt_params, fmt_speedup, fmt_us, lock_wait, open_cache, out, status_cell
 
-SETTINGS = ("dtype", "budget", "strategy", "seed", "timeout", "device", "workers")
+SETTINGS = ("dtype", "budget", "strategy", "seed", "timeout", "device", "workers", "time_budget")
 
 
 # -- progress -------------------------------------------------------------------------------------------------
@@ -117,6 +118,8 @@ def print_report(report: engine.SearchReport, top: int) -> None:
                   f"{report.stored['search_seconds']:.1f} s); no work done.")
     if report.note:
         err.print(f"[bold yellow]note:[/] {escape(report.note)}")
+    if report.cut_short:
+        err.print(f"[bold yellow]cut short:[/] {escape(report.cut_short)}")
     out.print(candidates_table(report, top))
     sp = report.speedup
     if report.decision == "kernel":
@@ -127,6 +130,9 @@ def print_report(report: engine.SearchReport, top: int) -> None:
     elif report.decision == "eager":
         out.print("[bold yellow]decision: eager[/] — no candidate beat eager by the required margin "
                   "(p80(candidate) < p20(eager)/1.03); eager is cached as the decision.")
+    elif report.cut_short:
+        out.print("[bold yellow]decision: none[/] — the time budget ran out before a candidate was timed; "
+                  "nothing was cached.")
     else:
         out.print("[bold red]decision: none[/] — every candidate failed; nothing was cached.")
     out.print(f"cache key: {report.key}  ({report.cache_path})")
@@ -134,26 +140,49 @@ def print_report(report: engine.SearchReport, top: int) -> None:
         out.print(f"search wall time: {report.seconds:.1f} s")
 
 
-JOB_STATUS = {"failed": "[red]failed[/]", "cached": "cached", "searched": "[green]searched[/]"}  # batch.JobResult
+JOB_STATUS = {"failed": "[red]failed[/]", "cached": "cached", "searched": "[green]searched[/]",
+              "skipped": "[yellow]skipped[/]"}  # batch.JobResult
+
+
+def job_status_cell(r: batch.JobResult) -> str:
+    if r.status == "skipped":
+        return f"[yellow]skipped: {escape(batch.SKIPPED_NOTE)}[/]"
+    return JOB_STATUS[r.status] + (" [yellow](cut short)[/]" if r.note else "")
+
+
+def fmt_share(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
 
 
 def print_manifest_run(path: Path, part: tuple[int, int] | None, m: manifest_mod.Manifest, jobs: list,
-                       results: list[batch.JobResult], spread: bool, cache_path: Path, wall: float) -> None:
+                       results: list[batch.JobResult], spread: bool, cache_path: Path, wall: float,
+                       estimate: float | None = None) -> None:
     title = f"{path}" + (f" — shard {part[0]}/{part[1]}: {len(jobs)} of {len(m.jobs)} jobs" if part else "")
+    shares = any(r.share is not None for r in results)
     table = Table(title=title)
-    cols = ["entry", "op", "shape", "dtype", "status", "decision", "winner", "p50 µs", "eager µs", "speedup",
-            "s"] + (["device"] if spread else [])
+    cols = ["entry", "op", "shape", "dtype", *(["share"] if shares else []), "status", "decision", "winner",
+            "p50 µs", "eager µs", "speedup", "s"] + (["device"] if spread else [])
     for col in cols:
-        table.add_column(col, justify="right" if col in ("p50 µs", "eager µs", "speedup", "s") else "left")
+        table.add_column(col, justify="right" if col in ("share", "p50 µs", "eager µs", "speedup", "s") else "left")
     for r in results:
-        table.add_row(str(r.entry), r.op, r.shape, r.dtype, JOB_STATUS[r.status], r.decision or "-", r.winner or "-",
+        table.add_row(str(r.entry), r.op, r.shape, r.dtype, *([fmt_share(r.share)] if shares else []),
+                      job_status_cell(r), r.decision or "-", r.winner or "-",
                       fmt_us(r.p50_us), fmt_us(r.eager_p50_us), fmt_speedup(r.speedup), f"{r.seconds:.1f}",
                       *([escape(str(r.device)) if r.device is not None else "-"] if spread else []))
     out.print(table)
-    out.print(f"cache: {cache_path}; wall time {wall:.1f} s")
+    budget = f"; time budget {m.time_budget:g} s" if m.time_budget is not None else ""
+    out.print(f"cache: {cache_path}; wall time {wall:.1f} s{budget}")
+    if estimate is not None:
+        out.print(f"estimated end-to-end speedup (Amdahl over the shares): {estimate:.2f}x")
+    skipped = [r for r in results if r.status == "skipped"]
+    if skipped:
+        err.print(f"[bold yellow]skipped:[/] {len(skipped)} job(s) not started or cut short before a decision: "
+                  "the time budget was spent")
     for r in results:
         if r.status == "failed":
             err.print(f"[bold red]failed:[/] {escape(f'[[op]] #{r.entry} {r.op} {r.shape} {r.dtype}: {r.error}')}")
+        elif r.note and r.status != "skipped":
+            err.print(f"[yellow]note:[/] {escape(f'[[op]] #{r.entry} {r.op} {r.shape} {r.dtype}: {r.note}')}")
 
 
 # -- the command ----------------------------------------------------------------------------------------------
@@ -187,14 +216,15 @@ def search(
     workers: WorkersOpt = None,
     attr: AttrOpt = None,
     top: TopOpt = 10,
+    time_budget: TimeBudgetOpt = None,
     devices: DevicesOpt = None,
     executor: ExecutorOpt = "local",
     address: AddressOpt = None,
 ) -> None:
-    """Search for the fastest correct kernel for OP at --shape (or for every entry of --manifest),
-    against eager PyTorch. Settings: command line > FORGE_* environment > manifest > built-in."""
+    """Search for the fastest correct kernel for OP at --shape (or for every entry of --manifest, largest
+    share first), against eager PyTorch. Settings: command line > FORGE_* environment > manifest > built-in."""
     cli = {"dtype": dtype, "budget": budget, "strategy": strategy, "seed": seed, "timeout": timeout,
-           "device": device, "workers": workers, "cache": cache}
+           "device": device, "workers": workers, "cache": cache, "time_budget": time_budget}
     try:
         check_settings(cli, SETTINGS, name_flags=False)
         if manifest is not None:
@@ -210,8 +240,9 @@ def search(
             raise UsageError("give OP and --shape (e.g. forge search rmsnorm --shape 2048x4096), or --manifest FILE")
         shape_t = parse_shape_opt(shape)
         r = {name: manifest_mod.resolve(name, cli, os.environ) for name in SETTINGS}
+        deadline = time.monotonic() + r["time_budget"] if r["time_budget"] is not None else None
         options = engine.SearchOptions(budget=r["budget"], strategy=r["strategy"], seed=r["seed"], force=force,
-                                       timeout=r["timeout"], workers=r["workers"])
+                                       timeout=r["timeout"], workers=r["workers"], deadline=deadline)
         attrs = parse_attrs(attr or [])
         db = open_cache(cache)
         with _progress(disable=json_out or not err.is_terminal) as progress:
@@ -225,7 +256,7 @@ def search(
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print_report(report, top)
-    if report.decision == "none":
+    if report.decision == "none" and report.cut_short is None:  # cut short by --time-budget: no failure
         raise typer.Exit(ExitCode.ALL_FAILED)
 
 
@@ -238,16 +269,21 @@ def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json
     if devices is not None and executor == "ray":
         raise UsageError("--devices is for the local executor; Ray places each job on a GPU itself")
     device_list = batch.parse_devices(devices) if devices is not None else None
+    t_run = time.monotonic()  # the time budget counts from here: loading, pools and every search
     m = manifest_mod.load(path, cli=cli)
     jobs = m.jobs
     part = None
     if shard is not None:
         part = manifest_mod.parse_shard(shard)
         jobs = manifest_mod.shard(jobs, *part)
+    jobs = batch.by_share(jobs)
+    deadline = t_run + m.time_budget if m.time_budget is not None else None
     db = open_cache(m.cache)
     show_progress = not json_out and err.is_terminal and device_list is None and executor == "local"
     with _progress(disable=not show_progress) as progress:
         events = ProgressEvents(progress)
+
+        done: dict[int, batch.JobResult] = {}
 
         def on_start(n: int, job) -> None:
             label = f"[{n + 1}/{len(jobs)}] {job.label}"
@@ -256,20 +292,36 @@ def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json
             elif not json_out:
                 err.print(label)
 
-        t_run = time.monotonic()
+        def on_done(n: int, job, res: batch.JobResult) -> None:
+            done[n] = res
+            if json_out or res.status == "skipped":
+                return
+            est = batch.run_estimate(jobs, done)
+            outcome = res.status if res.status == "failed" else (
+                f"{res.decision} {fmt_speedup(res.speedup)}" if res.decision == "kernel" else str(res.decision))
+            line = f"[{n + 1}/{len(jobs)}] {job.label}: {outcome}" + (
+                f" (share {fmt_share(job.share)})" if job.share is not None else "")
+            if est is not None:
+                line += f"; estimated end-to-end speedup {est:.2f}x"
+            err.print(escape(line))
+
         results = batch.run(jobs, cache=db, device=m.device, workers=m.workers, force=force,
                             on_start=on_start, events=events, devices=device_list, executor=executor,
-                            address=address)
+                            address=address, deadline=deadline, on_done=on_done)
         wall = time.monotonic() - t_run
     failed = [r for r in results if r.status == "failed"]
+    estimate = batch.run_estimate(jobs, results)
     if json_out:
+        covered = sum(j.share for j in jobs if j.share is not None) if estimate is not None else None
         print(json.dumps({"manifest": str(path), "shard": list(part) if part else None, "cache": str(db.path),
                           "executor": executor, "devices": device_list, "wall_s": wall,
-                          "jobs": len(jobs), "total_jobs": len(m.jobs), "failed": len(failed),
+                          "time_budget_s": m.time_budget, "jobs": len(jobs), "total_jobs": len(m.jobs),
+                          "failed": len(failed), "skipped": sum(r.status == "skipped" for r in results),
+                          "covered_share": covered, "estimated_speedup": estimate,
                           "entries": [r.to_dict() for r in results]}, indent=2))
     else:
         spread = device_list is not None or executor == "ray"
-        print_manifest_run(path, part, m, jobs, results, spread, db.path, wall)
+        print_manifest_run(path, part, m, jobs, results, spread, db.path, wall, estimate)
     if failed:
         raise typer.Exit(failed[0].exit_code or ExitCode.ALL_FAILED)
 
