@@ -266,14 +266,15 @@ def tune(name: str, cache: Path, work: Path, budget: int) -> dict:
 
 
 def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dict:
+    """The timing phase of one model (its own process: nothing compiled before it in this process)."""
     _, make_args, step, label = build(name)
     row: dict = {"model": name, "label": label}
-    if "forge" in modes and not args.no_tune:
-        row["tune"] = tune(name, cache, work, args.budget)
-        print(json.dumps({"model": name, "tune": row["tune"]}), flush=True)
     runs, first, errors, backends, outs = {}, {}, {}, {}, {}
+    # No torch._dynamo.reset() between contestants: it would drop the compiled contestants' code, and
+    # recompiling forge's model after it (with Inductor's entries for the same frames) split the model
+    # into per-layer graphs on torch 2.11. Each contestant's first call still compiles its own entries
+    # (another backend fails Dynamo's BACKEND_MATCH guard), so first-call seconds are compilation.
     for mode in modes:
-        torch._dynamo.reset()  # each compiled contestant compiles from scratch (first-call time)
         try:
             fn, be = contestant(mode, name, cache)
             kw = make_args()
@@ -315,21 +316,14 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
                                   "calls": k.calls, "fallbacks": k.fallbacks} for k in backends[mode].kernel_calls]
         row["contestants"][mode] = c
     if "forge" in runs and "eager" in runs:
-        from forge.backend import Backend
-
-        torch._dynamo.reset()
-        be_l = Backend(miss="eager", cache=cache, label_kernels=True)
-        fn_l = torch.compile(build(name)[0], backend=be_l, dynamic=False)
-        kw_l = make_args()
+        be = backends["forge"]
         eager_dev, _ = device_time(runs["eager"])
-        forge_dev, in_forge = device_time(lambda: step(fn_l, kw_l))
+        be.label_kernels = True  # the same compiled model, each forge kernel inside a profiler range
+        forge_dev, in_forge = device_time(runs["forge"])
+        be.label_kernels = False
         row["device"] = {"eager_ms": round(eager_dev, 4), "forge_ms": round(forge_dev, 4),
                          "speedup": round(eager_dev / forge_dev, 4) if forge_dev else None,
-                         "forge_kernel_share": round(in_forge / forge_dev, 4) if forge_dev else None,
-                         "labelled_run": {"graphs": be_l.graphs, "kernels": be_l.explain().kernels,
-                                          "calls": [(k.__name__, k.calls, k.fallbacks) for k in be_l.kernel_calls]}}
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
+                         "forge_kernel_share": round(in_forge / forge_dev, 4) if forge_dev else None}
     print(json.dumps(row), flush=True)
     return row
 
@@ -338,7 +332,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", default="llama,gpt2,decode,block")
-    ap.add_argument("--modes", default="eager,forge,compile,liger")
+    ap.add_argument("--modes", default="eager,forge,liger,compile")
     ap.add_argument("--budget", type=int, default=20)
     ap.add_argument("--cache", type=Path, default=None, help="forge cache DB (default: a new one under a temp dir)")
     ap.add_argument("--no-tune", action="store_true", help="use the cache as it is")
@@ -347,10 +341,14 @@ def main() -> int:
     ap.add_argument("--model-limit", type=float, default=400, help="seconds per model")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--tune-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
         work = args.row_out.parent
+        if args.tune_only:
+            args.row_out.write_text(json.dumps(tune(args.one, args.cache, work, args.budget)))
+            return 0
         row = run_model(args.one, args.modes.split(","), args.cache, work, args)
         args.row_out.write_text(json.dumps(row))
         return 0
@@ -372,15 +370,25 @@ def main() -> int:
                      "per forward, host dispatch included); device time: torch.profiler kernel self time",
            "rows": []}
     for name in args.models.split(","):
-        # One process per model: Liger patches transformers' Llama classes for the whole process, and each
-        # model starts with a clean Dynamo and allocator.
+        # One process per model and phase: Liger patches transformers' Llama classes for the whole process;
+        # a model compiled by one backend and then by another in one process recompiles its frames
+        # (Dynamo's BACKEND_MATCH guard, seen on torch 2.11: the second backend then saw the model split
+        # into per-layer graphs); each timing phase starts with a clean Dynamo and allocator.
+        tuned = None
+        if "forge" in modes and not args.no_tune:
+            t_file = work / f"{name}-tune.json"
+            subprocess.run([sys.executable, __file__, "--one", name, "--tune-only", "--row-out", str(t_file),
+                            "--out", str(args.out), "--budget", str(args.budget), "--cache", str(cache)],
+                           timeout=args.model_limit)
+            tuned = json.loads(t_file.read_text()) if t_file.exists() else {"error": "tune phase failed"}
+            print(json.dumps({"model": name, "tune": tuned}), flush=True)
         row_file = work / f"{name}.json"
         cmd = [sys.executable, __file__, "--one", name, "--row-out", str(row_file), "--out", str(args.out),
                "--modes", ",".join(modes), "--budget", str(args.budget), "--cache", str(cache),
-               "--n", str(args.n), "--rounds", str(args.rounds), *(["--no-tune"] if args.no_tune else [])]
+               "--n", str(args.n), "--rounds", str(args.rounds)]
         rc = subprocess.run(cmd, timeout=args.model_limit).returncode
         if row_file.exists():
-            doc["rows"].append(json.loads(row_file.read_text()))
+            doc["rows"].append({**json.loads(row_file.read_text()), **({"tune": tuned} if tuned else {})})
         else:
             doc["rows"].append({"model": name, "contestants": {}, "error": f"exit {rc}"})
         (args.out / "models.json").write_text(json.dumps(doc, indent=2))

@@ -110,7 +110,9 @@ class Backend:
     def __init__(self, *, miss: str = "search", rest: str = "eager", manifest: str | os.PathLike | None = None,
                  budget: int = 50, cache: str | os.PathLike | None = None, interpreter: bool | None = None,
                  label_kernels: bool = False):
-        self.label_kernels = label_kernels  # each kernel launch inside a profiler range "forge_kernel"
+        # Each kernel launch inside a profiler range "forge_kernel" (read at every call: it can be switched
+        # on for one profiled run of an already compiled model).
+        self.label_kernels = label_kernels
         self.miss = _check("miss", miss, MISS)
         self.rest = _check("rest", rest, REST)
         self.manifest = Path(manifest or DEFAULT_MANIFEST)
@@ -218,7 +220,7 @@ class Backend:
         if fallback is None:
             return RegionExplanation(index, node, r.op, "eager", "its nodes cannot be run apart from the graph",
                                      r.shape, r.dtype, dict(r.attrs), why.key), None
-        return report, _RegionCall(binding, leaves, fallback, out, self.label_kernels)
+        return report, _RegionCall(binding, leaves, fallback, out, self)
 
     def _record(self, op: str, shape: tuple, dtype: str, device: str, attrs: dict) -> str:
         from forge import misses
@@ -241,9 +243,9 @@ class _RegionCall:
     alignment), autocast, and grad mode off where a leaf requires grad, as when the kernel was resolved;
     else the region's own nodes run."""
 
-    def __init__(self, binding, leaves: list, fallback, out, label: bool = False):
+    def __init__(self, binding, leaves: list, fallback, out, owner: Backend | None = None):
         h = shim._torch_hot()
-        self.label = label
+        self.owner = owner
         self.binding, self.fallback = binding, fallback
         self.sig = tuple(shim._tensor_sig(t) for t in leaves)
         self.autocast = h["autocast"]()
@@ -259,7 +261,7 @@ class _RegionCall:
         self.calls += 1
         if (h["autocast"]() == self.autocast and not (self.needs_no_grad and h["grad"]())
                 and tuple(shim._tensor_sig(t) for t in leaves) == self.sig):
-            if self.label:
+            if self.owner is not None and self.owner.label_kernels:
                 from torch.profiler import record_function
 
                 with record_function("forge_kernel"):

@@ -1,6 +1,6 @@
 """`forge export`: standalone modules for every op family (run in a fresh process where forge cannot
-be imported, compared with the float64 oracle), argument checks, the hf-kernels layout (loaded with
-Hugging Face `kernels` when installed), and every error path's exit code."""
+be imported, compared with the float64 oracle), argument checks, and every error path's exit code. The
+hf-kernels repositories: tests/test_export_hf.py."""
 
 from __future__ import annotations
 
@@ -93,18 +93,21 @@ def kernel_entry(op_name: str, shape, dtype: str = "float32", attrs: dict | None
 
 # A fresh interpreter where forge cannot be imported even if it is installed (CI installs it
 # editable into the venv): cwd elsewhere, no PYTHONPATH, and a meta-path finder refusing forge.
-_RUNNER = textwrap.dedent("""
-    import importlib.util, json, sys
+NO_FORGE = textwrap.dedent("""
+    import sys
     class _NoForge:
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in ("forge", "forge_cli", "forge_ops"):
-                raise ImportError(f"{name} is blocked: the exported module must not need forge")
+                raise ImportError(f"{name} is blocked: the exported code must not need forge")
     sys.meta_path.insert(0, _NoForge())
     try:
         import forge  # noqa: F401
         sys.exit("forge is importable in the clean process")
     except ImportError:
         pass
+""")
+_RUNNER = NO_FORGE + textwrap.dedent("""
+    import importlib.util, json
     import torch
     jobs = json.load(open(sys.argv[1]))
     results = {}
@@ -344,42 +347,6 @@ def test_cli_export_tampered_unwritable_or_damaged(tmp_path):
     bad.write_bytes(b"not a database" * 100)
     code, text = invoke(*base[:-3], "--cache", str(bad), "-o", str(tmp_path / "o"))
     assert code == 5 and str(bad) in text
-
-
-# -- Hugging Face kernels layout ------------------------------------------------------------------
-
-def test_hf_kernels_layout(tmp_path):
-    entry = kernel_entry("layer_norm", (3, 40))
-    done = export.export(entry, ops.get("layer_norm"), tmp_path, fmt="hf-kernels")
-    repo = tmp_path / "forge-layer-norm-3x40-float32"
-    assert done.path == repo and done.name == "forge-layer-norm-3x40-float32"
-    variant = repo / "build" / "torch-cpu"
-    meta = json.loads((variant / "metadata.json").read_text())
-    assert meta["name"] == "forge-layer-norm-3x40-float32" and meta["backend"] == {"type": "cpu"}
-    assert meta["id"].startswith("_forge_layer_norm_3x40_float32_cpu_") and meta["python-depends"] == []
-    assert (variant / "__init__.py").read_text() == export.render_module(entry, ops.get("layer_norm"))
-    assert (variant / "forge_layer_norm_3x40_float32" / "__init__.py").is_file()
-    assert "get_local_kernel" in (repo / "README.md").read_text()
-
-
-def test_hf_kernels_loads_with_get_local_kernel(tmp_path, monkeypatch):
-    kernels = pytest.importorskip("kernels")
-    if not hasattr(kernels, "get_local_kernel"):  # forge's own kernels/ directory, as a namespace package
-        pytest.skip("Hugging Face `kernels` is not installed (pip install kernels)")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    db = Cache(tmp_path / "forge.db")
-    db.put(kernel_entry("rmsnorm", (3, 40)))
-    res = runner.invoke(cli.app, ["export", "rmsnorm", "--shape", "3x40", "--dtype", "float32", "--device", "cpu",
-                                  "--cache", str(tmp_path / "forge.db"), "-o", str(tmp_path / "hub"),
-                                  "--format", "hf-kernels", "--json"])
-    assert res.exit_code == 0, res.output
-    repo = Path(json.loads(res.stdout)["path"])
-    k = kernels.get_local_kernel(repo, backend="cpu")
-    x, w = torch.randn(3, 40), torch.randn(40)
-    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
-    assert validate.compare(k.rmsnorm(x, w), ref, ops.get("rmsnorm").module.tolerance("float32")) is None
-    with pytest.raises(ValueError, match="shape"):
-        k.rmsnorm(torch.randn(4, 40), w)
 
 
 def test_an_op_whose_glue_needs_forge_is_refused_by_name(tmp_path, monkeypatch):

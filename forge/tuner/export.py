@@ -6,8 +6,8 @@ Two output formats (docs/export.md):
                source verbatim, the op's launch glue, and a plain function with the op's natural
                signature (rmsnorm(x, w, *, eps=...) -> y) that checks its arguments against the spec
                the kernel was tuned and validated for and raises ValueError for anything else.
-  hf-kernels   a Hugging Face `kernels` repository (noarch build variant `torch-<backend>`) holding
-               that same module, loadable with kernels.get_local_kernel(path).
+  hf-kernels   a Hugging Face `kernels` repository of every tuned shape of an op (or of a model's ops),
+               each kernel that same module, with layers for kernels.kernelize: forge/tuner/hf_export.py.
 
 The glue is generic: the op module's `alloc_output` and `run` (kernels/<op>.py) are copied, with
 every module-level name they use (helpers, constants, imports), found with `symtable`. An op whose
@@ -217,7 +217,9 @@ def glue(op: OpFamily, n_inputs: int) -> Glue:
 
 # -- the module ---------------------------------------------------------------------------------------
 
-# The module's own top-level names, all prefixed so they cannot meet the kernel's (checked anyway).
+# The module's own top-level names, all prefixed so they cannot meet the kernel's (checked anyway). A
+# hf-kernels repository's dispatcher (hf_runtime.DISPATCH) calls _forge_problem, _forge_unrunnable and
+# _forge_call of modules that earlier exports wrote: keep those names and what they do.
 _RUNTIME = '''
 class _ForgeTensorSpec:
     """The subset of forge.spec.TensorSpec the copied glue may read."""
@@ -288,6 +290,7 @@ class _ForgeKernel:
 
 
 _FORGE_KERNEL = _ForgeKernel()
+_FORGE_NO_ATTR = object()  # an attribute the spec does not have: never equal to a value passed
 _forge_env_checked = []
 
 
@@ -310,36 +313,54 @@ def _forge_environment_differences():
     return [(k, env.get(k), v) for k, v in running.items() if env.get(k) != v]
 
 
-def _forge_check(args, attrs):
-    """The arguments as the kernel's inputs, or ValueError: the kernel was validated for exactly SPEC."""
+def _forge_unrunnable():
+    """Why this process cannot run the kernel at all (a RuntimeError message), or None."""
     if _FORGE_DEVICE == "cpu" and _forge_os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"{_FORGE_FUNCTION} was tuned on the Triton interpreter (CPU tensors): set "
-                           "TRITON_INTERPRET=1 before triton is first imported")
+        return (f"{_FORGE_FUNCTION} was tuned on the Triton interpreter (CPU tensors): set TRITON_INTERPRET=1 "
+                "before triton is first imported")
+    return None
+
+
+def _forge_problem(args, attrs):
+    """Why the arguments are not exactly the inputs the kernel was validated for (a ValueError message), or
+    None. Never raises: a hf-kernels repository's dispatcher asks it before choosing this kernel."""
+    if len(args) != len(_FORGE_INPUTS):
+        return f"{_FORGE_FUNCTION}() takes {len(_FORGE_INPUTS)} inputs {_FORGE_INPUTS}, got {len(args)}"
     for name, value in attrs.items():
-        expected = SPEC.attrs[name]
+        expected = SPEC.attrs.get(name, _FORGE_NO_ATTR)
         if value != expected:
-            raise ValueError(f"{_FORGE_FUNCTION}() was tuned for {name}={expected!r}, got {name}={value!r}")
+            return f"{_FORGE_FUNCTION}() was tuned for {name}={expected!r}, got {name}={value!r}"
     device = None
     for name, t, want in zip(_FORGE_INPUTS, args, SPEC.inputs):
         if not isinstance(t, _forge_torch.Tensor):
-            raise ValueError(f"{_FORGE_FUNCTION}(): {name} must be a torch.Tensor, got {type(t).__name__}")
+            return f"{_FORGE_FUNCTION}(): {name} must be a torch.Tensor, got {type(t).__name__}"
         if tuple(t.shape) != want.shape or str(t.dtype) != "torch." + want.dtype:
-            raise ValueError(f"{_FORGE_FUNCTION}(): {name} must be {want.dtype} of shape {want.shape} (the "
-                             f"spec it was tuned for), got {str(t.dtype).replace('torch.', '')} of shape "
-                             f"{tuple(t.shape)}")
+            return (f"{_FORGE_FUNCTION}(): {name} must be {want.dtype} of shape {want.shape} (the spec it was "
+                    f"tuned for), got {str(t.dtype).replace('torch.', '')} of shape {tuple(t.shape)}")
         if t.device.type != want.device:
-            raise ValueError(f"{_FORGE_FUNCTION}(): {name} must be on {want.device}, got {t.device}")
+            return f"{_FORGE_FUNCTION}(): {name} must be on {want.device}, got {t.device}"
         if device is not None and t.device != device:
-            raise ValueError(f"{_FORGE_FUNCTION}(): all inputs must be on one device, got {device} and {t.device}")
+            return f"{_FORGE_FUNCTION}(): all inputs must be on one device, got {device} and {t.device}"
         device = t.device
         if not t.is_contiguous():
-            raise ValueError(f"{_FORGE_FUNCTION}(): {name} must be contiguous (the kernel indexes row-major "
-                             "memory); pass .contiguous()")
+            return (f"{_FORGE_FUNCTION}(): {name} must be contiguous (the kernel indexes row-major memory); "
+                    "pass .contiguous()")
         if t.data_ptr() % _FORGE_ALIGNMENT:
-            raise ValueError(f"{_FORGE_FUNCTION}(): {name} must be {_FORGE_ALIGNMENT}-byte aligned")
+            return f"{_FORGE_FUNCTION}(): {name} must be {_FORGE_ALIGNMENT}-byte aligned"
         if t.requires_grad and _forge_torch.is_grad_enabled():
-            raise ValueError(f"{_FORGE_FUNCTION}(): {name} requires grad, but the kernel is forward-only; "
-                             "call it under torch.no_grad()")
+            return (f"{_FORGE_FUNCTION}(): {name} requires grad, but the kernel is forward-only; call it under "
+                    "torch.no_grad()")
+    return None
+
+
+def _forge_check(args, attrs):
+    """The arguments as the kernel's inputs, or ValueError: the kernel was validated for exactly SPEC."""
+    unrunnable = _forge_unrunnable()
+    if unrunnable:
+        raise RuntimeError(unrunnable)
+    problem = _forge_problem(args, attrs)
+    if problem:
+        raise ValueError(problem)
     if not _forge_env_checked:
         _forge_env_checked.append(True)
         diff = _forge_environment_differences()
@@ -349,7 +370,7 @@ def _forge_check(args, attrs):
                 + ", ".join(f"{k} {a}" for k, a, _ in diff) + "; running with "
                 + ", ".join(f"{k} {b}" for k, _, b in diff) + " (its timings do not apply here)",
                 RuntimeWarning, stacklevel=3)
-    return tuple(args), device
+    return tuple(args), args[0].device
 
 
 def _forge_call(args, attrs):
@@ -366,7 +387,8 @@ def _forge_call(args, attrs):
 _RESERVED = {"annotations", "METADATA", "SPEC", "_ForgeTensorSpec", "_ForgeSpec", "_ForgeKernel", "_FORGE_KERNEL",
              "_FORGE_ALIGNMENT", "_FORGE_DEVICE", "_FORGE_FUNCTION", "_FORGE_INPUTS", "_forge_os", "_forge_torch",
              "_forge_warnings", "_forge_glue", "_forge_alloc_output", "_forge_run", "_forge_check", "_forge_call",
-             "_forge_env_checked", "_forge_environment_differences", "__all__"}
+             "_forge_env_checked", "_forge_environment_differences", "_forge_unrunnable", "_forge_problem",
+             "_FORGE_NO_ATTR", "__all__"}
 
 
 def _bound_names(source: str) -> set[str]:
@@ -386,7 +408,7 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _docstring_safe(header: str) -> str:
+def docstring_safe(header: str) -> str:
     """The header is a docstring: no backslashes (escapes) or triple quotes from the values in it."""
     quotes = '"' * 3
     body = header[3:-4].replace("\\", "/").replace(quotes, "'" * 3)
@@ -477,14 +499,15 @@ Generated by `forge export`: needs torch and triton only, not forge. Everything 
         'tensor."""\n',
         f"    return _forge_call(({sig_args}{',' if len(g.input_names) == 1 else ''}), {call_attrs})\n",
     ]
-    text = "".join([_docstring_safe(header), *parts[1:]])
+    text = "".join([docstring_safe(header), *parts[1:]])
     compile(text, f"<forge export {op.name}>", "exec")  # a bug here must not reach the user's file
     return text
 
 
 # -- writing ------------------------------------------------------------------------------------------
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step (a reader sees the old file or the new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -499,9 +522,6 @@ def _atomic_write(path: Path, text: str) -> None:
 def default_name(entry: Entry) -> str:
     spec = KernelSpec.from_dict(entry.spec)
     return f"{entry.op}_{spec.shape_str}_{spec.dtype}"
-
-
-_HF_NAME = re.compile(r"^[a-z][a-z0-9-]*[a-z0-9]$")
 
 
 @dataclass
@@ -519,99 +539,25 @@ class Exported:
 
 
 def export(entry: Entry, op: OpFamily, out_dir: Path, *, fmt: str = "module", name: str | None = None) -> Exported:
+    """Write one kernel entry: a module file DIR/NAME.py, or (hf-kernels) into the repository DIR/forge-NAME
+    (default forge-OP), which keeps every kernel it already holds (forge/tuner/hf_export.py)."""
     if fmt not in FORMATS:
         raise UsageError(f"unknown --format {fmt!r}; expected one of {', '.join(FORMATS)}")
     check_exportable(entry, f"{entry.op} {default_name(entry)}")
+    if fmt == "hf-kernels":
+        from forge.tuner import hf_export  # it builds on this module: imported here, not at the top
+
+        return hf_export.export_hf([entry], out_dir, name=name)
     name = name or default_name(entry)
     try:
-        if fmt == "module":
-            if not name.isidentifier() or keyword.iskeyword(name):
-                raise UsageError(f"--name {name!r} is not an importable module name (letters, digits, _)")
-            text = render_module(entry, op)
-            path = out_dir / f"{name}.py"
-            _atomic_write(path, text)
-            return Exported(path, path, name, op.name, fmt, {"key": entry.key})
-        return _export_hf(entry, op, out_dir, name)
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise UsageError(f"--name {name!r} is not an importable module name (letters, digits, _)")
+        text = render_module(entry, op)
+        path = out_dir / f"{name}.py"
+        atomic_write(path, text)
+        return Exported(path, path, name, op.name, fmt, {"key": entry.key})
     except OSError as exc:
         raise UsageError(f"cannot write to {out_dir}: {exc.strerror or exc}") from None
-
-
-def _export_hf(entry: Entry, op: OpFamily, out_dir: Path, name: str) -> Exported:
-    kernel_name = name.lower().replace("_", "-")
-    if not kernel_name.startswith("forge-"):
-        kernel_name = "forge-" + kernel_name
-    if not _HF_NAME.match(kernel_name) or "--" in kernel_name:
-        raise UsageError(f"{kernel_name!r} is not a valid Hugging Face kernel name (lowercase letters, digits "
-                         "and single dashes, starting with a letter)")
-    python_name = kernel_name.replace("-", "_")
-    backend = "cuda" if entry.env.get("backend") == "cuda" else "cpu"
-    variant = f"torch-{backend}"
-    repo = out_dir / kernel_name
-    build = repo / "build" / variant
-    text = render_module(entry, op)
-    meta = {
-        "name": kernel_name,
-        "id": f"_{python_name}_{backend}_{entry.key[:7]}",
-        "version": 1,
-        "license": "apache-2.0",
-        "python-depends": [],
-        "backend": {"type": backend},
-    }
-    _atomic_write(build / "__init__.py", text)
-    _atomic_write(build / "metadata.json", json.dumps(meta, indent=2) + "\n")
-    # Older `kernels` releases import build/<variant>/<python_name>/__init__.py instead: re-export.
-    _atomic_write(build / python_name / "__init__.py", _HF_COMPAT.replace("@ID@", meta["id"]))
-    spec = KernelSpec.from_dict(entry.spec)
-    _atomic_write(repo / "README.md", _HF_README.format(
-        kernel_name=kernel_name, op=op.name, shape=spec.shape_str, dtype=spec.dtype, variant=variant,
-        backend=backend, function=op.name, key=entry.key, doc=ast.get_docstring(ast.parse(text)) or ""))
-    return Exported(repo, build / "__init__.py", kernel_name, op.name, "hf-kernels",
-                    {"key": entry.key, "variant": variant, "kernel_id": meta["id"]})
-
-
-_HF_COMPAT = '''"""Compatibility layout for older `kernels` releases: the kernel is ../__init__.py."""
-
-import importlib.util
-import sys
-from pathlib import Path
-
-_name = "@ID@"
-_module = sys.modules.get(_name)
-if _module is None:
-    _spec = importlib.util.spec_from_file_location(_name, Path(__file__).resolve().parent.parent / "__init__.py")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules[_name] = _module
-    _spec.loader.exec_module(_module)
-globals().update({k: v for k, v in vars(_module).items() if not k.startswith("__")})
-__all__ = list(_module.__all__)
-'''
-
-_HF_README = """---
-tags:
-- kernels
-- forge
----
-
-# {kernel_name}
-
-A Triton kernel for `{op}` at {shape} {dtype}, tuned by forge and exported with
-`forge export --format hf-kernels`. Pure Python (Triton JIT-compiles it on first use): one noarch build
-variant, `build/{variant}`, for the `{backend}` backend.
-
-```python
-from pathlib import Path
-from kernels import get_local_kernel
-
-k = get_local_kernel(Path("{kernel_name}"))
-y = k.{function}(...)   # see the signature below
-```
-
-Cache key `{key}`.
-
-```
-{doc}
-```
-"""
 
 
 def lookup(cache: Cache, op_name: str, shape: tuple[int, ...], dtype: str, device: str | None,
