@@ -131,6 +131,17 @@ class Backend:
     def explain(self) -> ModelExplanation:
         return ModelExplanation(tuple(self.regions), tuple(self.unmatched), self.graphs)
 
+    def kernel_names(self) -> frozenset[str]:
+        """The names of the @triton.jit functions of every kernel swapped in: how a profile tells forge's
+        kernels apart (Triton's C launcher calls cuLaunchKernel directly, and the profiler does not tie
+        such launches to the Python range around them)."""
+        names = set()
+        for call in self.kernel_calls:
+            for obj in vars(getattr(call.binding, "module", None) or object()).values():
+                if type(obj).__name__ == "JITFunction":
+                    names.add(obj.fn.__name__)
+        return frozenset(names)
+
     def __call__(self, gm, example_inputs) -> Callable:
         index = next(self._graphs)
         state: dict[str, Any] = {}
