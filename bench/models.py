@@ -162,7 +162,7 @@ def contestant(mode: str, name: str, cache: Path):
     if mode == "forge":
         from forge.backend import Backend
 
-        be = Backend(miss="eager", cache=cache, label_kernels=False)
+        be = Backend(miss="eager", cache=cache)
         return torch.compile(model, backend=be, dynamic=False), be
     if mode == "compile":
         return torch.compile(model), None
@@ -220,18 +220,15 @@ def device_time(fn, iters: int = 5, names: frozenset = frozenset()) -> tuple[flo
 
 def kernel_times(prof, iters: int, names: frozenset = frozenset()) -> tuple[float, float]:
     """(ms per iteration of device activity: every kernel, copy and set, once — user-annotation ranges,
-    which the profiler also reports on the device, are not activity; of it, ms of the kernels launched
-    inside "forge_kernel" ranges)."""
+    which the profiler also reports on the device, are not activity; of it, ms of the kernels named in
+    `names`: forge's)."""
     from torch.autograd import DeviceType
 
     total = forge = 0.0
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False) \
-                and e.name != "forge_kernel":
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             total += e.device_time_total
-            # Triton's C launcher calls cuLaunchKernel directly, which the profiler does not tie to the
-            # enclosing range: forge's kernels are told by name (their @triton.jit functions).
-            if e.name in names:
+            if e.name in names:  # forge's kernels, by their Triton function names (Backend.kernel_names)
                 forge += e.device_time_total
     return total / iters / 1e3, forge / iters / 1e3
 
@@ -271,7 +268,8 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
     """The timing phase of one model (its own process: nothing compiled before it in this process)."""
     _, make_args, step, label = build(name)
     row: dict = {"model": name, "label": label}
-    runs, first, errors, backends, outs = {}, {}, {}, {}, {}
+    runs, first, errors, backends, outs, ms = {}, {}, {}, {}, {}, {}
+    sequential = getattr(args, "sequential", False)
     # No torch._dynamo.reset() between contestants: it would drop the compiled contestants' code, and
     # recompiling forge's model after it (with Inductor's entries for the same frames) split the model
     # into per-layer graphs on torch 2.11. Each contestant's first call still compiles its own entries
@@ -297,7 +295,10 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
         runs[mode] = (lambda f=fn, k=kws: step(f, k))
         if be is not None:
             backends[mode] = be
-    ms = timed_rounds(runs, args.n, args.rounds) if runs else {}
+        if sequential:  # timed alone, before the next contestant is built (Liger: see main())
+            ms.update(timed_rounds({mode: runs[mode]}, args.n, args.rounds))
+    if not sequential:
+        ms = timed_rounds(runs, args.n, args.rounds) if runs else {}
     base = ms.get("eager")
     row["contestants"] = {}
     for mode in modes:
@@ -342,6 +343,7 @@ def main() -> int:
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--tune-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sequential", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
@@ -383,17 +385,39 @@ def main() -> int:
             tuned = json.loads(t_file.read_text()) if t_file.exists() else {"error": "tune phase failed"}
             print(json.dumps({"model": name, "tune": tuned}), flush=True)
         row_file = work / f"{name}.json"
+        # Liger patches transformers' module-level Llama functions and classes for the whole process
+        # (apply_rotary_pos_emb, LlamaRMSNorm): every contestant timed after it would run Liger's code,
+        # even on a model built before the patch (the rope function is looked up at call time). It gets
+        # its own process, where eager is timed first, alone, and Liger after: a sequential comparison,
+        # reported apart from the interleaved one (liger_sequential).
+        inproc = [m for m in modes if m != "liger"]
         cmd = [sys.executable, __file__, "--one", name, "--row-out", str(row_file), "--out", str(args.out),
-               "--modes", ",".join(modes), "--budget", str(args.budget), "--cache", str(cache),
+               "--modes", ",".join(inproc), "--budget", str(args.budget), "--cache", str(cache),
                "--n", str(args.n), "--rounds", str(args.rounds)]
         rc = subprocess.run(cmd, timeout=args.model_limit).returncode
         if row_file.exists():
-            doc["rows"].append({**json.loads(row_file.read_text()), **({"tune": tuned} if tuned else {})})
+            row = {**json.loads(row_file.read_text()), **({"tune": tuned} if tuned else {})}
         else:
-            doc["rows"].append({"model": name, "contestants": {}, "error": f"exit {rc}"})
+            row = {"model": name, "contestants": {}, "error": f"exit {rc}"}
+        if "liger" in modes and name in ("llama", "decode"):
+            l_file = work / f"{name}-liger.json"
+            subprocess.run([sys.executable, __file__, "--one", name, "--row-out", str(l_file), "--out", str(args.out),
+                            "--modes", "eager,liger", "--sequential", "--cache", str(cache),
+                            "--n", str(args.n), "--rounds", str(args.rounds)], timeout=args.model_limit)
+            if l_file.exists():
+                row["liger_sequential"] = json.loads(l_file.read_text())["contestants"]
+        doc["rows"].append(row)
         (args.out / "models.json").write_text(json.dumps(doc, indent=2))
     if cache.exists() and args.cache is None:
-        (args.out / "forge.db").write_bytes(cache.read_bytes())
+        # Through SQLite's backup API: a plain file copy misses what is still in the write-ahead log
+        # (seen on the H200: a copied DB held only the first model's entries).
+        import sqlite3
+
+        src, dst = sqlite3.connect(cache), sqlite3.connect(args.out / "forge.db")
+        with dst:
+            src.backup(dst)
+        src.close()
+        dst.close()
     print("\nmodel    mode          ms/fwd   first s  vs eager  rel err   regions/kernels")
     for row in doc["rows"]:
         if "error" in row:

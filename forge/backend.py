@@ -108,11 +108,7 @@ class Backend:
     into each captured graph. `explain()` reports every region it has seen."""
 
     def __init__(self, *, miss: str = "search", rest: str = "eager", manifest: str | os.PathLike | None = None,
-                 budget: int = 50, cache: str | os.PathLike | None = None, interpreter: bool | None = None,
-                 label_kernels: bool = False):
-        # Each kernel launch inside a profiler range "forge_kernel" (read at every call: it can be switched
-        # on for one profiled run of an already compiled model).
-        self.label_kernels = label_kernels
+                 budget: int = 50, cache: str | os.PathLike | None = None, interpreter: bool | None = None):
         self.miss = _check("miss", miss, MISS)
         self.rest = _check("rest", rest, REST)
         self.manifest = Path(manifest or DEFAULT_MANIFEST)
@@ -231,7 +227,7 @@ class Backend:
         if fallback is None:
             return RegionExplanation(index, node, r.op, "eager", "its nodes cannot be run apart from the graph",
                                      r.shape, r.dtype, dict(r.attrs), why.key), None
-        return report, _RegionCall(binding, leaves, fallback, out, self)
+        return report, _RegionCall(binding, leaves, fallback, out)
 
     def _record(self, op: str, shape: tuple, dtype: str, device: str, attrs: dict) -> str:
         from forge import misses
@@ -254,9 +250,8 @@ class _RegionCall:
     alignment), autocast, and grad mode off where a leaf requires grad, as when the kernel was resolved;
     else the region's own nodes run."""
 
-    def __init__(self, binding, leaves: list, fallback, out, owner: Backend | None = None):
+    def __init__(self, binding, leaves: list, fallback, out):
         h = shim._torch_hot()
-        self.owner = owner
         self.binding, self.fallback = binding, fallback
         self.sig = tuple(shim._tensor_sig(t) for t in leaves)
         self.autocast = h["autocast"]()
@@ -272,11 +267,6 @@ class _RegionCall:
         self.calls += 1
         if (h["autocast"]() == self.autocast and not (self.needs_no_grad and h["grad"]())
                 and tuple(shim._tensor_sig(t) for t in leaves) == self.sig):
-            if self.owner is not None and self.owner.label_kernels:
-                from torch.profiler import record_function
-
-                with record_function("forge_kernel"):
-                    return self.binding(list(leaves))
             return self.binding(list(leaves))
         self.fallbacks += 1
         return self.fallback(*leaves)

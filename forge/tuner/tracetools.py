@@ -490,7 +490,7 @@ def verify(result: TraceResult, cache, backend: str, iters: int = 20) -> dict[st
     target = result.target
     with torch.no_grad():
         ref = target.fn(*target.args)
-    be = Backend(miss="eager", cache=cache.path, interpreter=backend == "interpreter", label_kernels=True)
+    be = Backend(miss="eager", cache=cache.path, interpreter=backend == "interpreter")
     torch._dynamo.reset()
     try:
         compiled = torch.compile(target.fn, backend=be, dynamic=False, fullgraph=False)
@@ -516,8 +516,8 @@ def verify(result: TraceResult, cache, backend: str, iters: int = 20) -> dict[st
 
         eager_us = timed(lambda: target.fn(*target.args))
         forge_us = timed(lambda: compiled(*target.args))
-        device = _device_times(lambda: target.fn(*target.args), lambda: compiled(*target.args), iters) if cuda \
-            else None
+        device = _device_times(lambda: target.fn(*target.args), lambda: compiled(*target.args), iters,
+                               be.kernel_names()) if cuda else None
     finally:
         torch._dynamo.reset()
     by_node = {(r.graph, r.node): r for r in report.regions}
@@ -536,10 +536,13 @@ def verify(result: TraceResult, cache, backend: str, iters: int = 20) -> dict[st
     return doc
 
 
-def _device_times(eager, forged, iters: int) -> dict[str, Any]:
-    """Device time per forward of both runs (the sum of their kernels' own time, torch.profiler) and the
-    share of the forge run's device time in forge kernels (launched inside the backend's labelled calls)."""
+def _device_times(eager, forged, iters: int, names: frozenset) -> dict[str, Any]:
+    """Device time per forward of both runs (every kernel, copy and set once, from torch.profiler's
+    device events) and the share of the forge run's device time in forge kernels, told apart by their
+    Triton function names (`names`: Triton's C launcher calls cuLaunchKernel directly, and the profiler
+    does not tie such launches to a Python range around them)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
     def kernels(fn) -> tuple[float, float]:
@@ -550,16 +553,12 @@ def _device_times(eager, forged, iters: int) -> dict[str, Any]:
                 for _ in range(iters):
                     fn()
                 torch.cuda.synchronize()
-        from torch.autograd import DeviceType
-
         total = forge = 0.0
-        for evt in prof.key_averages():
-            if evt.device_type == DeviceType.CUDA:  # kernels, copies, sets: each on its own row, counted once
-                own = getattr(evt, "self_device_time_total", None)
-                total += getattr(evt, "self_cuda_time_total", 0.0) if own is None else own
-            if evt.key == "forge_kernel":
-                inside = getattr(evt, "device_time_total", None)
-                forge += getattr(evt, "cuda_time_total", 0.0) if inside is None else inside
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+                total += e.device_time_total
+                if e.name in names:
+                    forge += e.device_time_total
         return total / iters, forge / iters
 
     eager_dev, _ = kernels(eager)

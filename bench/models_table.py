@@ -1,0 +1,47 @@
+"""Markdown tables of bench/models.py results (README's "Whole models on the H200"), from the JSON files.
+
+    python3 bench/models_table.py bench/results/h200-models-*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _c(c: dict | None, base: float | None) -> str:
+    if not c:
+        return "—"
+    if "error" in c:
+        return "n/a"
+    return f"{c['ms_per_forward']:.2f} ({c['speedup_vs_eager']:.2f}x)"
+
+
+def table(path: Path) -> str:
+    d = json.loads(path.read_text())
+    lines = [f"`{path.name}` — {d['gpu']}, driver {d['driver']}, torch {d['torch']}, triton {d['triton']}, "
+             f"transformers {d['transformers']}, {d['date']}; `{d['command']}`; {d['timing']}.", "",
+             "| model | eager ms | forge ms (x eager) | torch.compile ms (x) | max-autotune ms (x) | Liger ms (x) "
+             "| forge device time vs eager | forge kernels / regions | first call s: forge / compile |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        cs = r.get("contestants", {})
+        if not cs:
+            lines.append(f"| {r['model']} | failed: {r.get('error')} |||||||")
+            continue
+        e, f = cs.get("eager", {}), cs.get("forge", {})
+        dev = r.get("device")
+        dv = f"{dev['eager_ms']:.2f} → {dev['forge_ms']:.2f} ms ({dev['speedup']:.2f}x)" if dev else "—"
+        kr = f"{f.get('kernels')} / {f.get('regions')}" if "kernels" in f else "—"
+        fc = f"{f.get('first_call_s', '—')} / {cs.get('compile', {}).get('first_call_s', '—')}"
+        lines.append(f"| {r.get('label', r['model'])} | {e.get('ms_per_forward', 0):.2f} | {_c(f, None)} | "
+                     f"{_c(cs.get('compile'), None)} | {_c(cs.get('max-autotune'), None)} | {_c(cs.get('liger'), None)} "
+                     f"| {dv} | {kr} | {fc} |")
+    if d.get("note"):
+        lines += ["", d["note"]]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print("\n\n".join(table(Path(p)) for p in sys.argv[1:]))
