@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 
-def _c(c: dict | None, base: float | None) -> str:
+def _c(c: dict | None) -> str:
     if not c:
         return "—"
     if "error" in c:
@@ -35,8 +35,8 @@ def table(path: Path) -> str:
         dv = f"{dev['eager_ms']:.2f} → {dev['forge_ms']:.2f} ms ({dev['speedup']:.2f}x)" if dev else "—"
         kr = f"{f.get('kernels')} / {f.get('regions')}" if "kernels" in f else "—"
         fc = f"{f.get('first_call_s', '—')} / {cs.get('compile', {}).get('first_call_s', '—')}"
-        lines.append(f"| {r.get('label', r['model'])} | {e.get('ms_per_forward', 0):.2f} | {_c(f, None)} | "
-                     f"{_c(cs.get('compile'), None)} | {_c(cs.get('max-autotune'), None)} | {_c(cs.get('liger'), None)} "
+        peers = " | ".join(_c(cs.get(m)) for m in ("compile", "max-autotune", "liger"))
+        lines.append(f"| {r.get('label', r['model'])} | {e.get('ms_per_forward', 0):.2f} | {_c(f)} | {peers} "
                      f"| {dv} | {kr} | {fc} |")
     if d.get("note"):
         lines += ["", d["note"]]
