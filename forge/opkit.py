@@ -139,6 +139,83 @@ def random_tensor(shape, dtype: str, device: str, gen, distribution: str, *, bas
     return x.to(torch_dtype(dtype))
 
 
+# -- strided inputs ----------------------------------------------------------------------------------
+# A spec's inputs are contiguous unless its attribute "strides" names their layout: one entry per input,
+# separated by ";", each "c" (contiguous) or the strides, comma-separated ("4096,1;c": x with a row stride
+# of 4096, the weight contiguous). A plain string, so it travels like any attribute: in the cache key, a
+# manifest, `--attr strides=...`. Only the inputs an op family lists in STRIDED_INPUTS may be strided, and
+# only with the last dimension contiguous and no two elements at one address.
+STRIDES = "strides"
+
+
+def strides_text(layouts: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+    """The "strides" attribute for inputs given as (shape, strides), or None when all are contiguous."""
+    from forge.spec import contiguous_strides, same_layout
+
+    parts, strided = [], False
+    for shape, strides in layouts:
+        if same_layout(shape, strides, contiguous_strides(shape)):
+            parts.append("c")
+        else:
+            strided = True
+            parts.append(",".join(str(int(s)) for s in strides))
+    return ";".join(parts) if strided else None
+
+
+def parse_strides(text: Any, shapes: list[tuple[int, ...]], strided_inputs: tuple[int, ...]) -> list[tuple | None]:
+    """The per-input strides a "strides" attribute names (None: contiguous); ValueError with the reason."""
+    if not isinstance(text, str):
+        raise ValueError(f"strides={text!r}: expected a string like '4096,1;c' (one entry per input)")
+    parts = text.split(";")
+    if len(parts) != len(shapes):
+        raise ValueError(f"strides={text!r} names {len(parts)} input(s); the op takes {len(shapes)}")
+    out: list[tuple | None] = []
+    for i, (part, shape) in enumerate(zip(parts, shapes, strict=True)):
+        part = part.strip()
+        if part == "c":
+            out.append(None)
+            continue
+        try:
+            strides = tuple(int(x) for x in part.split(","))
+        except ValueError:
+            raise ValueError(f"strides={text!r}: input {i}: {part!r} is neither 'c' nor integers") from None
+        if i not in strided_inputs:
+            raise ValueError(f"input {i} must be contiguous (this op takes strided layouts for input(s) "
+                             f"{list(strided_inputs) or 'none'})")
+        check_layout(shape, strides, f"input {i}")
+        out.append(strides)
+    return out
+
+
+def check_layout(shape: tuple[int, ...], strides: tuple[int, ...], what: str) -> None:
+    """A layout a strided kernel takes: one stride per dim, the last dim contiguous, every other stride
+    positive, and no two elements at one address (each dim, by stride, steps over all the smaller ones)."""
+    if len(strides) != len(shape):
+        raise ValueError(f"{what}: {len(strides)} strides for {len(shape)} dims")
+    if shape[-1] > 1 and strides[-1] != 1:
+        raise ValueError(f"{what}: the last dimension must be contiguous (stride 1), got strides {strides}")
+    dims = sorted((st, n) for n, st in zip(shape, strides, strict=True) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            raise ValueError(f"{what}: strides {strides} for shape {shape} overlap or are not positive")
+        span = st * n
+
+
+def restride(t, strides: tuple[int, ...]):
+    """t's values in a tensor with these strides, in a fresh allocation whose gaps hold NaN (floats) or -1:
+    a kernel that reads a gap poisons its output, and validation sees it."""
+    import torch
+
+    from forge.spec import storage_elements
+
+    fill = float("nan") if t.is_floating_point() else -1
+    buf = torch.full((storage_elements(tuple(t.shape), strides),), fill, dtype=t.dtype, device=t.device)
+    out = buf.as_strided(tuple(t.shape), strides)
+    out.copy_(t)
+    return out
+
+
 def generator(seed: int, device: str = "cpu"):
     import torch
 

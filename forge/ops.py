@@ -6,6 +6,7 @@ named `kernels` (that would shadow Hugging Face's `kernels`, an export target).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -69,6 +70,15 @@ _PKG = Path(__file__).resolve().parent
 #   problem_shape(spec) -> shape             the request shape make_spec rebuilds `spec` from, when it is not
 #                                            inputs[0].shape (matmul, sdpa); forge.search(KernelSpec) uses it
 #   TEST_SHAPES, MID_SHAPE, test_candidates(spec)   what tests/test_templates.py runs for this op
+#   STRIDED_INPUTS = (0, ...)                the inputs the op's kernels take in a strided layout (last dim
+#                                            contiguous, any outer strides: opkit.check_layout); run() must
+#                                            handle them and alloc_output() return a contiguous output.
+#                                            Absent: every input contiguous.
+#
+# The attribute "strides" (opkit.STRIDES) is forge's, not the op's: _load wraps make_spec so that it is
+# taken out before the op's make_spec sees the attributes and applied to the spec's TensorSpecs after
+# (kept in spec.attrs, so it is in the key, and only when some input is strided: a contiguous spec's key
+# is what it always was), and make_inputs so that validation and timing run on inputs in that layout.
 REQUIRED = ("NAME", "TEMPLATES", "DEFAULT_ATTRS", "make_spec", "make_inputs", "reference", "alloc_output",
             "run", "space", "default", "render_context", "bytes_moved", "flops")
 
@@ -182,7 +192,65 @@ def _load(path: Path, template_dir: Path) -> OpFamily:
     if chunk is not None and chunk not in opkit.ORACLE_CHUNKS:
         raise TypeError(f"op {mod.NAME}: ORACLE_CHUNK={chunk!r}; expected one of {', '.join(opkit.ORACLE_CHUNKS)}")
     _install_defaults(mod)
+    _install_strides(mod)
     return OpFamily(mod.NAME, mod, path, template_dir)
+
+
+def strided_attrs(op, inputs, attrs: dict) -> tuple[dict, str | None]:
+    """(attrs with the "strides" attribute of these inputs' layout, None) or (attrs, why not): inputs not
+    contiguous are taken where the op family lists them in STRIDED_INPUTS, in a layout its kernels take
+    (opkit.check_layout); the spec, and so the search and the key, then carry the layout."""
+    if all(t.is_contiguous() for t in inputs):
+        return attrs, None
+    strided = tuple(getattr(op.module, "STRIDED_INPUTS", ()))
+    for i, t in enumerate(inputs):
+        if t.is_contiguous():
+            continue
+        if i not in strided:
+            return attrs, (f"non-contiguous input {i} (strides {tuple(t.stride())}; {op.name}'s kernels take "
+                           + (f"input(s) {list(strided)} strided, the others contiguous)" if strided
+                              else "contiguous inputs only)"))
+        try:
+            opkit.check_layout(tuple(t.shape), tuple(t.stride()), f"input {i}")
+        except ValueError as exc:
+            return attrs, f"a layout {op.name}'s kernels do not take: {exc}"
+    text = opkit.strides_text([(tuple(t.shape), tuple(t.stride())) for t in inputs])
+    return {**attrs, opkit.STRIDES: text}, None
+
+
+def _install_strides(mod: ModuleType) -> None:
+    """Wrap the module's make_spec and make_inputs for the "strides" attribute (see the contract above);
+    once per module object."""
+    if getattr(mod, "_forge_strides", False):
+        return
+    raw_spec, raw_inputs = mod.make_spec, mod.make_inputs
+    strided = tuple(getattr(mod, "STRIDED_INPUTS", ()))
+
+    @functools.wraps(raw_spec)
+    def make_spec(shape, dtype, device, attrs=None):
+        attrs = dict(attrs or {})
+        text = attrs.pop(opkit.STRIDES, None)
+        spec = raw_spec(shape, dtype, device, attrs)
+        if text is None:
+            return spec
+        layouts = opkit.parse_strides(text, [t.shape for t in spec.inputs], strided)
+        inputs = tuple(t if st is None else dataclasses.replace(t, strides=st)
+                       for t, st in zip(spec.inputs, layouts, strict=True))
+        canonical = opkit.strides_text([(t.shape, t.strides) for t in inputs])
+        if canonical is None:
+            return spec
+        return dataclasses.replace(spec, inputs=inputs, attrs={**spec.attrs, opkit.STRIDES: canonical})
+
+    @functools.wraps(raw_inputs)
+    def make_inputs(spec, seed, distribution="normal"):
+        tensors = raw_inputs(spec, seed, distribution)
+        if opkit.STRIDES not in spec.attrs:
+            return tensors
+        return tuple(t if s.contiguous else opkit.restride(t, s.strides)
+                     for t, s in zip(tensors, spec.inputs, strict=True))
+
+    mod.make_spec, mod.make_inputs = make_spec, make_inputs
+    mod._forge_strides = True
 
 
 def _install_defaults(mod: ModuleType) -> None:

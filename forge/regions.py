@@ -150,12 +150,13 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
                 raise ValueError(f"dtype {x.dtype} is not supported")
             problem = getattr(fam.module, "problem", None)
             shape = tuple(problem(inputs, attrs)) if problem else tuple(x.shape)
+            attrs, why = ops.strided_attrs(fam, inputs, attrs)
+            if why is not None:
+                raise ValueError(why)
             spec = fam.module.make_spec(shape, dtype, "cuda" if device == "cuda" else "cpu", attrs)
             actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
             if actual != [(s.shape, s.dtype) for s in spec.inputs]:
                 raise ValueError(f"input shapes/dtypes {actual} do not fit {fam.name}'s kernel")
-            if any(not t.is_contiguous() for t in inputs):
-                raise ValueError("non-contiguous input")
             region.shape, region.dtype, region.attrs = shape, dtype, dict(spec.attrs)
         except ValueError as exc:
             region.unsupported = str(exc)

@@ -26,7 +26,7 @@ from forge import key as keys
 from forge.cache import Cache, CacheError, default_cache_path
 from forge.errors import ForgeError
 from forge.loader import load_module, write_source
-from forge.spec import DTYPES, dtype_name
+from forge.spec import DTYPES, dtype_name, same_layout
 
 ALIGNMENT = 16  # bytes; kernels are validated on freshly allocated (>= 256-byte aligned) tensors
 
@@ -452,8 +452,12 @@ def resolve(op, picked: list, indices: list, attrs: dict, tensors: list, *, gett
         return eager("inputs require grad (forge kernels are forward-only)", op=op.name)
     if any(t.device != x.device for t in inputs):
         return eager("inputs are on different devices", op=op.name)
-    if any(not t.is_contiguous() for t in inputs):
-        return eager("non-contiguous input (kernels are validated for contiguous inputs only)", op=op.name)
+    from forge import ops
+
+    layout, why = ops.strided_attrs(op, inputs, attrs)
+    if why is not None:
+        return eager(why, op=op.name)
+    attrs = layout
     if any(t.data_ptr() % ALIGNMENT for t in inputs):
         return eager(f"input not {ALIGNMENT}-byte aligned (kernels are validated on aligned inputs)",
                      op=op.name)
@@ -484,6 +488,9 @@ def resolve(op, picked: list, indices: list, attrs: dict, tensors: list, *, gett
     actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
     if actual != [(s.shape, s.dtype) for s in spec.inputs]:
         return eager(f"input shapes/dtypes {actual} do not fit {op.name}'s kernel", op=op.name)
+    if not all(same_layout(s.shape, tuple(t.stride()), s.strides) for t, s in zip(inputs, spec.inputs, strict=True)):
+        return eager(f"input strides {[tuple(t.stride()) for t in inputs]} are not the layout of {op.name}'s "
+                     "spec", op=op.name)
 
     device_index = x.device.index if backend == "cuda" else None
     loc = keys.locate(op, spec, backend, device_index)

@@ -36,6 +36,17 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def storage_elements(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """Elements of the storage a tensor of this shape and these strides spans (shape's product when
+    contiguous)."""
+    return 1 + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+
+
+def same_layout(shape: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Strides a and b address a tensor of `shape` alike (a dimension of size 1 has no stride that matters)."""
+    return all(n == 1 or x == y for n, x, y in zip(shape, a, b, strict=True))
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple[int, ...]
@@ -58,7 +69,7 @@ class TensorSpec:
 
     @property
     def contiguous(self) -> bool:
-        return self.strides == contiguous_strides(self.shape)
+        return same_layout(self.shape, self.strides, contiguous_strides(self.shape))
 
     @property
     def numel(self) -> int:
@@ -73,7 +84,8 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.itemsize
+        """The bytes one tensor of this spec spans: its elements, plus the gaps of a strided layout."""
+        return storage_elements(self.shape, self.strides) * self.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": self.dtype, "strides": list(self.strides),

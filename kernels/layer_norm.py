@@ -11,6 +11,9 @@ NAME = "layer_norm"
 SUMMARY = "F.layer_norm(x, (N,), w, b, eps)"
 TEMPLATES = {"row": "layer_norm_row.j2", "looped": "layer_norm_looped.j2", "multirow": "layer_norm_multirow.j2"}
 DEFAULT_ATTRS = {"eps": 1e-5}
+# x may have any outer strides with its rows contiguous: the kernels take a row stride; run() views x
+# as rows (a copy where no view exists). The weight and bias stay contiguous.
+STRIDED_INPUTS = (0,)
 # The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
 ORACLE_CHUNK = "rows"
 # Accepted by make_spec but not part of the spec: the only supported value is (N,), which the shape
@@ -88,7 +91,8 @@ def reference(inputs, attrs):
 def alloc_output(inputs, spec: KernelSpec):
     import torch
 
-    return torch.empty_like(inputs[0])
+    x = inputs[0]  # contiguous whatever x's layout (run() views it as rows)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def run(module, inputs, out, attrs) -> None:

@@ -9,6 +9,9 @@ NAME = "rmsnorm"
 SUMMARY = "x * rsqrt(mean(x^2, -1) + eps) * w"
 TEMPLATES = {"row": "rmsnorm_row.j2", "looped": "rmsnorm_looped.j2", "multirow": "rmsnorm_multirow.j2"}
 DEFAULT_ATTRS = {"eps": 1e-6}
+# x may have any outer strides with its rows contiguous: the kernels take a row stride; run() views x
+# as rows (a copy where no view exists). The weight stays contiguous.
+STRIDED_INPUTS = (0,)
 # The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
 ORACLE_CHUNK = "rows"
 
@@ -42,7 +45,8 @@ def reference(inputs, attrs):
 def alloc_output(inputs, spec: KernelSpec):
     import torch
 
-    return torch.empty_like(inputs[0])
+    x = inputs[0]  # contiguous whatever x's layout (run() views it as rows)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def run(module, inputs, out, attrs) -> None:

@@ -9,6 +9,9 @@ NAME = "softmax"
 SUMMARY = "softmax(x, dim=-1)"
 TEMPLATES = {"row": "softmax_row.j2", "looped": "softmax_looped.j2", "multirow": "softmax_multirow.j2"}
 DEFAULT_ATTRS = {"dim": -1}
+# x may have any outer strides with its rows contiguous: the kernels take a row stride; run() views x
+# as rows (a copy where no view exists).
+STRIDED_INPUTS = (0,)
 # The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
 ORACLE_CHUNK = "rows"
 
@@ -29,7 +32,8 @@ def reference(inputs, attrs):
 def alloc_output(inputs, spec: KernelSpec):
     import torch
 
-    return torch.empty_like(inputs[0])
+    x = inputs[0]  # contiguous whatever x's layout (run() views it as rows)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def run(module, inputs, out, attrs) -> None:

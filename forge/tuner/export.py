@@ -245,9 +245,17 @@ class _ForgeTensorSpec:
     def nbytes(self):
         return self.numel * self.itemsize
 
+    def layout_is(self, strides):
+        """`strides` address this spec's shape as its own strides do (a size-1 dim's stride never matters)."""
+        return all(n == 1 or a == b for n, a, b in zip(self.shape, strides, self.strides))
+
     @property
     def contiguous(self):
-        return True  # exported kernels take contiguous inputs only
+        acc, want = 1, []
+        for n in reversed(self.shape):
+            want.append(acc)
+            acc *= n
+        return self.layout_is(tuple(reversed(want)))
 
 
 class _ForgeSpec:
@@ -342,9 +350,12 @@ def _forge_problem(args, attrs):
         if device is not None and t.device != device:
             return f"{_FORGE_FUNCTION}(): all inputs must be on one device, got {device} and {t.device}"
         device = t.device
-        if not t.is_contiguous():
-            return (f"{_FORGE_FUNCTION}(): {name} must be contiguous (the kernel indexes row-major memory); "
-                    "pass .contiguous()")
+        if not want.layout_is(tuple(t.stride())):
+            if want.contiguous:
+                return (f"{_FORGE_FUNCTION}(): {name} must be contiguous (the kernel indexes row-major memory); "
+                        "pass .contiguous()")
+            return (f"{_FORGE_FUNCTION}(): {name} must have strides {want.strides} (the layout it was tuned "
+                    f"for), got {tuple(t.stride())}")
         if t.data_ptr() % _FORGE_ALIGNMENT:
             return f"{_FORGE_FUNCTION}(): {name} must be {_FORGE_ALIGNMENT}-byte aligned"
         if t.requires_grad and _forge_torch.is_grad_enabled():
@@ -453,7 +464,8 @@ def render_module(entry: Entry, op: OpFamily, *, function: str | None = None) ->
     sig_args = ", ".join(g.input_names)
     sig_attrs = "".join(f", {k}={v!r}" for k, v in attrs.items())
     sig = f"{sig_args}, *{sig_attrs}" if attrs else sig_args
-    input_lines = "\n".join(f"    {n}: {t.dtype} {t.shape}, contiguous, {t.device}"
+    input_lines = "\n".join(f"    {n}: {t.dtype} {t.shape}, "
+                            f"{'contiguous' if t.contiguous else f'strides {t.strides}'}, {t.device}"
                             for n, t in zip(g.input_names, spec.inputs, strict=True))
     envs = ", ".join(f"{k} {env[k]}" for k in ("backend", "gpu", "cc", "driver", "cuda", "cpu", "torch", "triton")
                      if env.get(k) is not None)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from forge import key as keys
+from forge import opkit
 from forge.errors import UsageError, cut, shown
 from forge.spec import DTYPES, canonical_json, parse_shape
 from forge.tuner import strategy
@@ -288,7 +289,9 @@ def parse(doc: dict[str, Any], path: str | os.PathLike, *, cli: Mapping[str, Any
         for k in RUN_WIDE:
             if k in entry:
                 raise ManifestError(f"{where}: field '{k}' is run-wide: set it in [defaults] or on the command line")
-        attr_names = set(opmod.DEFAULT_ATTRS)
+        # "strides" (an input layout, forge/opkit.py) is forge's attribute: the op's make_spec says whether it
+        # takes that layout.
+        attr_names = set(opmod.DEFAULT_ATTRS) | {opkit.STRIDES}
         unknown = sorted(set(entry) - set(ENTRY_FIELDS) - attr_names)
         if unknown:
             raise ManifestError(f"{where}: unknown field(s) {', '.join(shown(u, 40) for u in unknown[:10])}; "

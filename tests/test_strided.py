@@ -1,0 +1,184 @@
+"""Strided inputs (the layout issue, first part): the "strides" attribute, specs and keys that carry a
+layout, validation on inputs in that layout (gaps poisoned with NaN), every variant of the row families
+(rmsnorm, layer_norm, softmax, log_softmax) on strided x through the interpreter against the float64
+oracle, the shim and `forge trace` taking strided x, and the refusals (a strided weight, a transposed
+last dim, overlapping strides)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import forge
+from forge import key as keys
+from forge import opkit, ops
+from forge.regions import find_regions
+from forge.trace import TraceGraph
+from forge.tuner import manifest, stats
+from forge.tuner.validate import check_candidate
+from tests.conftest import DEVICE
+from tests.test_templates import _load, candidates_for
+
+ROW_FAMILIES = ("rmsnorm", "layer_norm", "softmax", "log_softmax")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# -- the attribute ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("text", "needle"), [
+    ("100,1", "names 1 input(s); the op takes 2"),
+    ("100,1;c;c", "names 3 input(s)"),
+    ("100,x;c", "neither 'c' nor integers"),
+    ("1,6;c", "last dimension must be contiguous"),
+    ("20,1;c", "overlap"),
+    ("-100,1;c", "overlap or are not positive"),
+    ("c;2", "input 1 must be contiguous"),
+    (7, "expected a string"),
+])
+def test_bad_strides_are_refused_with_the_reason(text, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        ops.get("rmsnorm").module.make_spec((6, 40), "float32", "cpu", {"eps": 1e-6, "strides": text})
+
+
+def test_a_contiguous_layout_is_the_contiguous_spec_and_key():
+    mod = ops.get("rmsnorm").module
+    plain = mod.make_spec((6, 40), "float32", "cpu", {"eps": 1e-6})
+    named = mod.make_spec((6, 40), "float32", "cpu", {"eps": 1e-6, "strides": "40,1;c"})
+    assert named == plain and "strides" not in named.attrs
+    strided = mod.make_spec((6, 40), "float32", "cpu", {"eps": 1e-6, "strides": "100,1;c"})
+    assert strided.inputs[0].strides == (100, 1) and strided.attrs["strides"] == "100,1;c"
+    assert strided.inputs[0].nbytes == (5 * 100 + 40) * 4  # the span, gaps included (memory model)
+    k = [keys.locate(ops.get("rmsnorm"), s, "interpreter").key for s in (plain, strided)]
+    assert k[0] != k[1]
+    # A size-1 dim's stride does not matter: the same layout, the same spec.
+    one = mod.make_spec((1, 40), "float32", "cpu", {"eps": 1e-6, "strides": "999,1;c"})
+    assert one == mod.make_spec((1, 40), "float32", "cpu", {"eps": 1e-6})
+
+
+def test_inputs_come_in_the_layout_with_poisoned_gaps():
+    mod = ops.get("rmsnorm").module
+    spec = mod.make_spec((6, 40), "float32", "cpu", {"eps": 1e-6, "strides": "100,1;c"})
+    x, w = mod.make_inputs(spec, 3)
+    x0, w0 = mod.make_inputs(mod.make_spec((6, 40), "float32", "cpu", {"eps": 1e-6}), 3)
+    assert x.stride() == (100, 1) and torch.equal(x, x0) and torch.equal(w, w0) and w.is_contiguous()
+    storage = torch.tensor([], dtype=x.dtype).set_(x.untyped_storage())
+    assert storage.numel() == 5 * 100 + 40 and int(storage.isnan().sum()) == 5 * 60
+
+
+# -- every variant on strided x, against the float64 oracle -----------------------------------------
+def _strided_cases():
+    cases = []
+    for name in ROW_FAMILIES:
+        for shape, strides in (((5, 33), (48, 1)), ((2, 3, 40), (200, 64, 1)), ((3, 2, 24), (24, 72, 1))):
+            for cand in candidates_for(name, shape):
+                sid = "x".join(map(str, shape))
+                cases.append(pytest.param(name, shape, strides, cand, id=f"{name}-{cand.label}-{sid}-{strides}"))
+    return cases
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize(("op_name", "shape", "strides", "cand"), _strided_cases())
+def test_every_row_variant_on_strided_x_matches_the_oracle(op_name, shape, strides, cand, tmp_path):
+    """Row strides (a slice of a wider buffer), uneven outer strides (run() copies to rows) and permuted
+    outer dims (a transposed (S, B, D) buffer read as (B, S, D))."""
+    op = ops.get(op_name)
+    n_inputs = len(op.module.make_spec(shape, "float32", DEVICE).inputs)
+    text = ";".join([",".join(map(str, strides))] + ["c"] * (n_inputs - 1))
+    spec = op.module.make_spec(shape, "float32", DEVICE, {"strides": text})
+    assert spec.inputs[0].strides == strides
+    module = _load(op, spec, cand, tmp_path)
+    reason = check_candidate(op.module, module, spec, 5, _sync)
+    assert reason is None, f"{cand.label} on {shape} strides {strides}: {reason}"
+
+
+def test_a_kernel_that_reads_the_gaps_is_caught(tmp_path):
+    """A row kernel that assumed contiguous rows (row * N instead of the row stride) reads the NaN gaps."""
+    op = ops.get("softmax")
+    spec = op.module.make_spec((5, 33), "float32", DEVICE, {"strides": "48,1"})
+    cand = op.module.default(spec)
+    src = codegen_render(op, spec, cand).replace("x.stride(0)", "x.shape[1]")
+    from forge.loader import load_module, write_source
+
+    module = load_module(write_source(src, tmp_path))
+    assert check_candidate(op.module, module, spec, 5, _sync) is not None
+
+
+def codegen_render(op, spec, cand):
+    from forge import codegen
+
+    return codegen.render(op, spec, cand)
+
+
+# -- the shim and forge trace ---------------------------------------------------------------------------
+def rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+@pytest.mark.slow
+def test_the_shim_tunes_and_runs_strided_x(monkeypatch):
+    monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)  # the interpreter never beats eager
+    buf, w = torch.randn(6, 100), torch.randn(40)
+    x = buf[:, 12:52]  # 48 bytes into each row: 16-byte aligned
+    f = forge.optimize(rms, interpreter=True, budget=2, warn=False)
+    y = f(x, w)
+    e = forge.explain(f, x, w)
+    assert e.uses == "kernel" and e.op == "rmsnorm", e
+    torch.testing.assert_close(y.double(), rms(x.double(), w.double()), rtol=1e-5, atol=1e-6)
+    assert y.is_contiguous()
+    # The contiguous layout is another spec: not this kernel (a cache miss, searching off).
+    g = forge.optimize(rms, interpreter=True, search=False, warn=False)
+    assert forge.explain(g, x.contiguous(), w).reason.startswith("cache miss")
+    assert forge.explain(g, x, w).uses == "kernel"
+
+
+def test_the_shim_says_which_layouts_it_refuses():
+    f = forge.optimize(rms, interpreter=True, search=False, warn=False)
+    x = torch.randn(6, 40)
+    assert "non-contiguous input 1" in forge.explain(f, x, torch.randn(80)[::2]).reason
+    assert "last dimension must be contiguous" in forge.explain(f, torch.randn(40, 6).t(), torch.randn(40)).reason
+
+
+def test_trace_regions_carry_the_layout_into_the_manifest(tmp_path):
+    def model(buf, w):
+        return torch.softmax(rms(buf[:, :, :32], w), -1)
+
+    g = TraceGraph(model, (torch.randn(2, 3, 48), torch.randn(32)), {})
+    regions, _ = find_regions(g, "cpu")
+    by = {r.op: r for r in regions}
+    assert by["rmsnorm"].attrs["strides"] == "144,48,1;c" and not by["rmsnorm"].unsupported
+    assert "strides" not in by["softmax"].attrs  # rmsnorm's output is contiguous
+    from forge.tuner import tracetools
+
+    path = tmp_path / "m.toml"
+    path.write_text(manifest.dumps(tracetools.manifest_entries(regions), {"device": "cpu"}))
+    jobs = {j.op: j for j in manifest.load(path).jobs}
+    assert jobs["rmsnorm"].attrs["strides"] == "144,48,1;c"
+    spec = ops.get("rmsnorm").module.make_spec(jobs["rmsnorm"].shape, "float32", "cpu", jobs["rmsnorm"].attrs)
+    assert spec.inputs[0].strides == (144, 48, 1)
+
+
+def test_opkit_strides_text_round_trips():
+    assert opkit.strides_text([((6, 40), (40, 1)), ((40,), (1,))]) is None
+    assert opkit.strides_text([((6, 40), (100, 1)), ((40,), (1,))]) == "100,1;c"
+
+
+def test_an_exported_strided_kernel_takes_its_layout_only(tmp_path):
+    from forge.tuner import export
+    from tests.test_export import _load as load_exported
+    from tests.test_export import kernel_entry
+
+    entry = kernel_entry("rmsnorm", (3, 40), attrs={"eps": 1e-6, "strides": "64,1;c"})
+    path = export.export(entry, ops.get("rmsnorm"), tmp_path, name="rms_strided").path
+    assert "x: float32 (3, 40), strides (64, 1), cpu" in path.read_text()
+    mod = load_exported(path)
+    buf, w = torch.randn(3, 64), torch.randn(40)
+    x = buf[:, 8:48]
+    torch.testing.assert_close(mod.rmsnorm(x, w).double(), rms(x.double(), w.double()), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=re.escape("x must have strides (64, 1) (the layout it was tuned for), "
+                                                   "got (40, 1)")):
+        mod.rmsnorm(x.contiguous(), w)
