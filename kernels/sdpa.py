@@ -1,7 +1,9 @@
 """sdpa: forward scaled-dot-product attention, o = softmax(q @ k^T * scale [+ causal mask]) @ v, as
 F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...) computes it.
 
-Layout: q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), all contiguous; Hq % Hkv == 0 (grouped-query
+Layout: q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), each contiguous or in any layout with D contiguous
+(the "strides" attribute: e.g. Hugging Face's linear(x).view(B, S, H, D).transpose(1, 2)); the output is
+contiguous. Hq % Hkv == 0 (grouped-query
 attention: q head h reads kv head h // (Hq // Hkv)). Problem shape (B, Hq, Sq, Skv, D); attributes
 causal (torch's top-left aligned mask: query i sees keys j <= i, also when Sq != Skv), scale (the
 float actually used, 1/sqrt(D) when the caller passed None) and kv_heads (Hkv).
@@ -9,7 +11,7 @@ float actually used, 1/sqrt(D) when the caller passed None) and kv_heads (Hkv).
 Head dims 1..128 are supported: the kernels work on BLOCK_D = max(16, next_pow2(D)) columns and mask
 the padding (D = 80 or 96 cost a 128-wide tile); D > 128 needs tiles that spill on Hopper. Not
 supported (ValueError naming it; the shim runs eager with that reason): attn_mask, dropout_p > 0,
-scale <= 0, non-4-D or non-contiguous inputs, a value head dim different from the query's,
+scale <= 0, non-4-D inputs, a layout whose D is not contiguous, a value head dim different from the query's,
 Hq % Hkv != 0. A rendered kernel is specialised to its spec's Sq, Skv, D and group size (masks only
 where a tile is partial); its launch() refuses other shapes.
 
@@ -40,6 +42,8 @@ DEFAULT_ATTRS = {"causal": False, "scale": None, "kv_heads": None}
 # What a traced call may carry besides DEFAULT_ATTRS; accepted only at their no-op values, so the
 # matcher can pass them through and make_spec names the unsupported one in its error.
 _CALL_ATTRS = {"attn_mask": None, "dropout_p": 0.0, "enable_gqa": None}
+# q, k and v may each be strided with D contiguous (forge/ops.py: the "strides" attribute).
+STRIDED_INPUTS = (0, 1, 2)
 
 MAX_HEAD_DIM = 128
 # The split-KV rule is about filling the GPU's multiprocessors (hardware.GPU_SMS); a program's q tile and
@@ -113,8 +117,6 @@ def problem(inputs, attrs: dict) -> tuple[int, ...]:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"sdpa kernels take 4-D (B, H, S, D) tensors, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        raise ValueError("non-contiguous q, k or v")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     b, hq, sq, d = q.shape
@@ -227,7 +229,8 @@ def oracle(inputs, attrs):
 def alloc_output(inputs, spec: KernelSpec):
     import torch
 
-    return torch.empty_like(inputs[0])
+    q = inputs[0]  # contiguous whatever q's layout (the kernels write (B, Hq, Sq, D) row-major)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 def run(module, inputs, out, attrs) -> None:
@@ -372,6 +375,15 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     # opkit.row_render_context): there Skv is a constexpr and the loops run over all K/V blocks,
     # skipping those outside the program's range with an `if`.
     ctx["N_CONSTEXPR"] = spec.device != "cuda"
+    # A strided spec (q, k, v views in any layout with D contiguous, e.g. Hugging Face's
+    # linear(x).view(B, S, H, D).transpose(1, 2)): the strides are baked in; contiguous specs render the
+    # row-major addressing they always had.
+    q_spec, k_spec, v_spec = spec.inputs
+    ctx["STRIDED"] = not all(t.contiguous for t in spec.inputs)
+    if ctx["STRIDED"]:
+        ctx.update(HQ=hq, HKV=hkv, QSB=q_spec.strides[0], QSH=q_spec.strides[1], QSS=q_spec.strides[2],
+                   KSB=k_spec.strides[0], KSH=k_spec.strides[1], KSS=k_spec.strides[2],
+                   VSB=v_spec.strides[0], VSH=v_spec.strides[1], VSS=v_spec.strides[2])
     ctx["kernel_name"] = f"forge_sdpa_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx

@@ -182,3 +182,71 @@ def test_an_exported_strided_kernel_takes_its_layout_only(tmp_path):
     with pytest.raises(ValueError, match=re.escape("x must have strides (64, 1) (the layout it was tuned for), "
                                                    "got (40, 1)")):
         mod.rmsnorm(x.contiguous(), w)
+
+
+# -- attention on q/k/v views: Hugging Face's layout, a fused qkv buffer -----------------------------------
+def _sdpa_layouts(b, hq, hkv, sq, skv, d):
+    """(name, q strides, k strides, v strides): HF's (B, S, H, D) buffers read as (B, H, S, D), and q/k/v
+    thirds of one fused (B, S, (Hq + 2 Hkv) * D) projection (GPT-2's c_attn split)."""
+    hf_q, hf_kv = (sq * hq * d, d, hq * d, 1), (skv * hkv * d, d, hkv * d, 1)
+    width = (hq + 2 * hkv) * d
+    fused_q, fused_kv = (sq * width, d, width, 1), (skv * width, d, width, 1)
+    return [("hf", hf_q, hf_kv, hf_kv), ("fused", fused_q, fused_kv, fused_kv),
+            ("mixed", hf_q, (hkv * skv * d, skv * d, d, 1), hf_kv)]
+
+
+def _sdpa_cases():
+    cases = []
+    for shape in ((2, 4, 2, 9, 9, 16), (1, 6, 2, 1, 13, 16), (1, 3, 3, 17, 7, 8)):
+        for causal in (False, True):
+            for name, qs, ks, vs in _sdpa_layouts(*shape):
+                for cand in ops.get("sdpa").module.test_candidates(
+                        ops.get("sdpa").module.make_spec((shape[0], shape[1], shape[3], shape[4], shape[5]),
+                                                         "float32", DEVICE, {"kv_heads": shape[2]})):
+                    if cand.variant == "split_kv" and causal:
+                        continue  # split_kv is for non-causal attention (its space says so)
+                    cases.append(pytest.param(shape, causal, qs, ks, vs, cand,
+                                              id=f"{name}-{'causal' if causal else 'full'}-{cand.label}-{shape}"))
+    return cases
+
+
+@pytest.mark.parametrize(("shape", "causal", "qs", "ks", "vs", "cand"), _sdpa_cases())
+def test_attention_on_strided_views_matches_the_oracle(shape, causal, qs, ks, vs, cand, tmp_path):
+    b, hq, hkv, sq, skv, d = shape
+    op = ops.get("sdpa")
+    text = ";".join(",".join(map(str, s)) for s in (qs, ks, vs))
+    spec = op.module.make_spec((b, hq, sq, skv, d), "float32", DEVICE,
+                               {"causal": causal, "kv_heads": hkv, "strides": text})
+    assert [t.strides for t in spec.inputs] == [qs, ks, vs]
+    reason = check_candidate(op.module, _load(op, spec, cand, tmp_path), spec, 5, _sync)
+    assert reason is None, f"{cand.label} {shape} causal={causal} {text}: {reason}"
+
+
+def test_contiguous_attention_renders_exactly_as_before():
+    """The strided addressing is emitted only for strided specs: contiguous renders are unchanged
+    (tests/golden/renders.json holds every one)."""
+    from forge import codegen
+
+    op = ops.get("sdpa")
+    spec = op.module.make_spec((1, 2, 7, 9, 16), "float16", "cuda", {"kv_heads": 1})
+    for cand in op.module.test_candidates(spec):
+        src = codegen.render(op, spec, cand)
+        assert not any(name in src for name in ("q_rows", "kv_h =", "o_offs", "h = bh %")), cand.label
+        assert "kv_offs = cols[:, None] * D" in src
+
+
+def hf_attention(x, wq, wk, wv):
+    b, s, _ = x.shape
+    q = (x @ wq).view(b, s, 4, 8).transpose(1, 2)
+    k = (x @ wk).view(b, s, 2, 8).transpose(1, 2)
+    v = (x @ wv).view(b, s, 2, 8).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_hf_attention_regions_are_tunable_in_their_layout():
+    x, wq, wk, wv = torch.randn(2, 5, 32), torch.randn(32, 32), torch.randn(32, 16), torch.randn(32, 16)
+    g = TraceGraph(hf_attention, (x, wq, wk, wv), {})
+    regions, _ = find_regions(g, "cpu")
+    (r,) = [r for r in regions if r.op == "sdpa"]
+    assert r.unsupported is None, r.unsupported
+    assert r.attrs["strides"] == "160,8,32,1;80,8,16,1;80,8,16,1" and r.attrs["causal"] and r.attrs["kv_heads"] == 2

@@ -69,11 +69,14 @@ def _counts(by: dict) -> Counter:
 
 
 def _assert_hf_causal_sdpa(r) -> None:
-    """HF's causal attention: is_causal=True with no mask (transformers 5.24 on torch 2.13), or an explicit
-    causal mask tensor (transformers 5.17 on torch 2.11 builds one): recognised either way, with the reason
-    the kernel cannot take it yet."""
-    assert r.op == "sdpa" and r.attrs["scale"] == 0.25 and r.unsupported
-    assert r.attrs["causal"] or r.attrs.get("attn_mask") == "tensor", r.attrs
+    """HF's causal attention: is_causal=True with no mask (transformers 5.24 on torch 2.13): tunable, on q, k,
+    v as the strided views HF makes ((B, S, H, D) projections transposed); or an explicit causal mask tensor
+    (transformers 5.17 on torch 2.11 builds one): recognised, with the reason the kernel cannot take it."""
+    assert r.op == "sdpa" and r.attrs["scale"] == 0.25
+    if r.attrs.get("attn_mask") == "tensor":
+        assert r.unsupported and "attn_mask" in r.unsupported
+    else:
+        assert r.attrs["causal"] and r.unsupported is None and "strides" in r.attrs, r
 
 
 def _assert_region_computes_its_node(result, r, rtol=1e-5, atol=1e-5):
@@ -119,9 +122,9 @@ def test_llama_rmsnorm_silu_mul_rope_and_sdpa_regions():
     # sdpa, HF's call: is_causal, scale and enable_gqa by keyword; q, k, v strided views of the projections.
     for r in by["sdpa"]:
         _assert_hf_causal_sdpa(r)
-        if "attn_mask" not in r.attrs:
-            assert r.attrs == {"causal": True, "scale": 0.25, "enable_gqa": True}
-            assert r.unsupported == "non-contiguous q, k or v"
+        if "attn_mask" not in r.attrs:  # GQA (4 query heads on 2 kv heads); q a transposed (B, S, H, D) view
+            assert (r.shape, r.attrs["kv_heads"]) == ((2, 4, 16, 16, 16), 2)
+            assert r.attrs["strides"].startswith("1024,16,64,1;")
 
 
 def test_gpt2_layer_norms_and_gelu_new():
@@ -141,7 +144,7 @@ def test_gpt2_layer_norms_and_gelu_new():
         _assert_region_computes_its_node(result, r)
     for r in by["sdpa"]:
         _assert_hf_causal_sdpa(r)
-        assert not r.attrs["enable_gqa"]
+        assert not r.attrs.get("enable_gqa") and r.attrs.get("kv_heads") in (None, 4)
     assert any(u.call == "function addmm" for u in result.unmatched)
 
 
@@ -200,14 +203,21 @@ def test_cli_traces_a_hf_model_file_function(llama_file, tmp_path):
     assert _counts(by) == Counter(rmsnorm=5, rope=4, sdpa=2, silu_mul=2)
     tunable = sorted({(r["op"], tuple(r["shape"]), r["dtype"]) for r in doc["regions"]
                       if r["tunable"] and r["op"] != "matmul"})
-    assert tunable == [("rmsnorm", (2, 16, 64), "float32"), ("silu_mul", (2, 16, 128), "float32")]
-    assert all(r["reason"] for r in doc["regions"] if r["op"] in ("rope", "sdpa"))
+    # sdpa is tunable where HF calls it with is_causal (transformers 5.24); 5.17 passes a mask tensor
+    causal_call = any(r["op"] == "sdpa" and "attn_mask" not in r["attrs"] for r in doc["regions"])
+    assert tunable == [("rmsnorm", (2, 16, 64), "float32"), *([("sdpa", (2, 4, 16, 16, 16), "float32")]
+                                                               if causal_call else []),
+                       ("silu_mul", (2, 16, 128), "float32")]
+    assert all(r["reason"] for r in doc["regions"] if r["op"] == "rope")
     # the weights the function's global `model` holds, by name
     names = {n for r in doc["regions"] if r["op"] == "rmsnorm" for n in r["inputs"] if n.endswith("weight")}
     assert names == {*(f"model.model.layers.{i}.{n}.weight" for i in range(2)
                        for n in ("input_layernorm", "post_attention_layernorm")), "model.model.norm.weight"}
     labels = [j.label for j in manifest.load(out, env={}).jobs if j.op != "matmul"]
-    assert labels == ["rmsnorm 2x16x64 float32 eps=1e-06", "silu_mul 2x16x128 float32"]
+    sdpa = [r["attrs"]["strides"] for r in doc["regions"] if r["op"] == "sdpa" and r["tunable"]][:1]
+    assert labels == ["rmsnorm 2x16x64 float32 eps=1e-06",
+                      *(f"sdpa 2x4x16x16x16 float32 causal=True kv_heads=2 scale=0.25 strides={st}" for st in sdpa),
+                      "silu_mul 2x16x128 float32"]
     v = doc["verify"]  # nothing cached: every region runs eager, the capture replays exactly
     assert v["ok"] and v["swapped"] == 0 and v["rel_error"] == 0.0 and v["graphs"] == 1
 
