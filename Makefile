@@ -48,7 +48,7 @@ $(T36)/.forge-installed: pyproject.toml
 	touch $@
 
 test-triton36: $(T36)/.forge-installed
-	$(T36)/bin/python -m pytest -q tests/test_templates.py tests/test_search_e2e.py tests/test_faults.py tests/test_launch.py
+	$(T36)/bin/python -m pytest -q tests/test_templates.py tests/test_strided.py tests/test_search_e2e.py tests/test_faults.py tests/test_launch.py
 
 clean:
 	rm -rf $(VENV) $(T36) .pytest_cache .ruff_cache *.egg-info
