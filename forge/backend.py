@@ -176,11 +176,19 @@ class Backend:
         regions, unmatched = find_regions(g, device, index)
         swaps = []
         reports = []
+        # A region fed by another region's output sees, once that one is swapped, what forge's kernel
+        # writes: a contiguous tensor (every family's alloc_output), where eager's may have been a view
+        # layout (rope on HF's transposed q keeps it transposed). It is resolved for that input, and a
+        # region recorded as a miss counts as swapped (it will be, once tuned); if it ends up eager, the
+        # guard sees the other layout and the region runs its own nodes.
+        produced: dict = {}
         for r in regions:
-            report, swap = self._resolve(g, r, index)
+            report, swap = self._resolve(g, r, index, produced)
             reports.append(report)
             if swap is not None:
                 swaps.append((r, swap))
+            if swap is not None or (r.unsupported is None and "recorded" in report.reason):
+                produced[r.root] = g.values[r.root].contiguous()
         with self._lock:
             self.graphs += 1
             self.regions.extend(reports)
@@ -199,8 +207,9 @@ class Backend:
             return compile_fx(gm, list(args))
         return gm.forward
 
-    def _resolve(self, g, r, index: int):
-        """(RegionExplanation, the region's replacement call or None)."""
+    def _resolve(self, g, r, index: int, produced: dict):
+        """(RegionExplanation, the region's replacement call or None). produced: the values swapped regions'
+        kernels give their roots, in place of the recorded ones."""
         import torch
 
         from forge import ops
@@ -210,7 +219,8 @@ class Backend:
             return RegionExplanation(index, node, r.op, "eager", f"not tunable: {r.unsupported}", r.shape, r.dtype,
                                      dict(r.attrs)), None
         op = ops.get(r.op)
-        leaves = [g.values[leaf] if not isinstance(leaf, str) else _attr(g.gm, leaf) for leaf in r.leaves]
+        leaves = [produced.get(leaf, g.values[leaf]) if not isinstance(leaf, str) else _attr(g.gm, leaf)
+                  for leaf in r.leaves]
         if not all(isinstance(t, torch.Tensor) for t in leaves):
             return RegionExplanation(index, node, r.op, "eager", "a region input is not a tensor", r.shape,
                                      r.dtype, dict(r.attrs)), None
@@ -348,10 +358,12 @@ def _swapped(gm, swaps: list, *, inductor: bool):
     new = fx.GraphModule(gm, gm.graph.__deepcopy__())
     nodes = {n.name: n for n in new.graph.nodes}
     op = _region_op() if inductor else None
+    replaced: dict = {}  # a swapped region's root -> its kernel call: a later region whose leaf it is reads the call
     for r, call in swaps:
         root = nodes[r.root.name]
         with new.graph.inserting_before(root):
-            leaf_args = [new.graph.get_attr(leaf) if isinstance(leaf, str) else nodes[leaf.name] for leaf in r.leaves]
+            leaf_args = [new.graph.get_attr(leaf) if isinstance(leaf, str)
+                         else replaced.get(leaf.name, nodes[leaf.name]) for leaf in r.leaves]
             if op is None:
                 repl = new.graph.call_function(call, tuple(leaf_args))
             else:
@@ -359,6 +371,7 @@ def _swapped(gm, swaps: list, *, inductor: bool):
                 _HANDLES[handle] = call
                 repl = new.graph.call_function(op, (handle, leaf_args))
         root.replace_all_uses_with(repl)
+        replaced[r.root.name] = repl
     new.graph.eliminate_dead_code()
     new.recompile()
     return new

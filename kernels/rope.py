@@ -1,8 +1,10 @@
 """rope: rotate-half rotary position embedding, y = x * cos + rotate_half(x) * sin, with
 rotate_half(x) = cat((-x[..., D/2:], x[..., :D/2]), -1).
 
-Problem shape (B, H, S, D): x is (B, H, S, D), cos and sin are (S, D), broadcast over B and H.
-Other layouts (e.g. Hugging Face's (B or 1, 1, S, D) cos/sin, or (B, S, H, D) activations) are refused
+Problem shape (B, H, S, D): x is (B, H, S, D), contiguous or any view with D contiguous (Hugging Face's
+q and k: (B, S, H, D) projections transposed; the "strides" attribute); cos and sin are (S, D),
+broadcast over B and H, or Hugging Face's (k, 1, S, D) tables with k = 1 or B (attribute cos_batch;
+with k = B each sequence has its own positions). The output is contiguous. Other layouts are refused
 by problem() with the reason, so the shim runs them eagerly: the spec names every input's shape
 exactly, and from a trace the matcher cannot tell which layout a call will use.
 
@@ -20,7 +22,13 @@ from forge.spec import KernelSpec, TensorSpec
 NAME = "rope"
 SUMMARY = "x * cos + rotate_half(x) * sin; x (B,H,S,D), cos/sin (S,D)"
 TEMPLATES = {"tile": "rope_tile.j2", "rows": "rope_rows.j2"}
-DEFAULT_ATTRS: dict = {}
+# cos_batch: the tables' layout. None: cos and sin are (S, D); k: they are (k, 1, S, D), Hugging Face's
+# cos.unsqueeze(1) of (k, S, D) tables, k = 1 (one set of positions) or B (positions per sequence). A
+# spec without it keeps the attributes it always had ({}): (S, D) keys did not change.
+DEFAULT_ATTRS: dict = {"cos_batch": None}
+# x may be strided with D contiguous (HF's q and k are (B, S, H, D) projections transposed); cos and sin
+# stay contiguous; the output is contiguous.
+STRIDED_INPUTS = (0,)
 # The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
 ORACLE_CHUNK = "rows"
 
@@ -55,8 +63,9 @@ def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | Non
     # the shape can say whether it is the middle). It describes the user's code, not the kernel, so
     # it is checked here and left out of the spec (one cache key for every spelling).
     split = a.pop("split", None)
+    cos_batch = a.pop("cos_batch", None)
     if a:
-        raise ValueError(f"rope takes no attributes, not {sorted(a)}")
+        raise ValueError(f"rope takes the attribute cos_batch only, not {sorted(a)}")
     if len(shape) != 4:
         raise ValueError(f"rope's problem shape is x's (B, H, S, D), got {tuple(shape)}")
     b, h, s, d = (int(v) for v in shape)
@@ -68,9 +77,15 @@ def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | Non
         raise ValueError(f"head dims above {MAX_D} are not supported, got D={d}")
     if s * d >= 2**31 or b * h * s >= 2**31:
         raise ValueError(f"{b * h * s} rows of cos/sin of {s}x{d} exceed 32-bit row indexing")
+    if cos_batch is None:
+        table, attrs = (s, d), {}
+    else:
+        if isinstance(cos_batch, bool) or not isinstance(cos_batch, int) or cos_batch not in (1, b):
+            raise ValueError(f"cos_batch={cos_batch!r}: the (k, 1, S, D) tables take k = 1 or B = {b}")
+        table, attrs = (int(cos_batch), 1, s, d), {"cos_batch": int(cos_batch)}
     return KernelSpec(NAME, (TensorSpec((b, h, s, d), dtype, device=device),
-                             TensorSpec((s, d), dtype, device=device),
-                             TensorSpec((s, d), dtype, device=device)), {})
+                             TensorSpec(table, dtype, device=device),
+                             TensorSpec(table, dtype, device=device)), attrs)
 
 
 def problem(inputs, attrs) -> tuple[int, ...]:
@@ -78,11 +93,15 @@ def problem(inputs, attrs) -> tuple[int, ...]:
     x, cos, sin = inputs
     if x.ndim != 4:
         raise ValueError(f"x must be 4-D (B, H, S, D), got shape {tuple(x.shape)}")
-    s, d = x.shape[-2:]
-    for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) != (s, d):
-            raise ValueError(f"{name} must be (S, D) = {(s, d)}, got {tuple(t.shape)} (other layouts, e.g. "
-                             "(1, 1, S, D), are not supported)")
+    b, s, d = x.shape[0], x.shape[-2], x.shape[-1]
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
+    if cos.ndim == 4 and cos.shape[1] == 1 and tuple(cos.shape[2:]) == (s, d) and cos.shape[0] in (1, b):
+        attrs["cos_batch"] = int(cos.shape[0])  # HF's (k, 1, S, D) tables (recorded in place, as sdpa's kv_heads)
+    elif tuple(cos.shape) != (s, d):
+        raise ValueError(f"cos and sin must be (S, D) = {(s, d)} or (1 or B, 1, S, D), got {tuple(cos.shape)}")
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("cos and sin must be contiguous")
     if not (x.dtype == cos.dtype == sin.dtype):
         raise ValueError(f"x, cos and sin must share one dtype, got {x.dtype}, {cos.dtype}, {sin.dtype}")
     return tuple(x.shape)
@@ -141,7 +160,8 @@ def reference(inputs, attrs):
 def alloc_output(inputs, spec: KernelSpec):
     import torch
 
-    return torch.empty_like(inputs[0])
+    x = inputs[0]  # contiguous whatever x's layout (the kernels write (B, H, S, D) row-major)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def run(module, inputs, out, attrs) -> None:
@@ -159,9 +179,13 @@ def space(spec: KernelSpec) -> opkit.Space:
     r, s, d = _dims(spec)
     block_h = opkit.next_pow2(d // 2)
 
+    batched = (spec.attrs.get("cos_batch") or 1) > 1
+
     def valid(c: opkit.Candidate) -> bool:
         p = c.p
         warps = p["num_warps"]
+        if c.variant == "tile" and batched:
+            return False  # tile shares one cos/sin tile across head rows that may belong to other sequences
         if c.variant == "tile":
             # No tile taller than S or head group larger than B*H: those lanes would all be masked.
             if p["BLOCK_S"] > opkit.next_pow2(s) or p["HEADS"] > opkit.next_pow2(r):
@@ -203,9 +227,11 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
     while (r * s) % block_q == 0:
         block_q *= 2
     # Masking first: BLOCK_S > S or HEADS > B*H (tiny shapes) is outside space() but must work too.
+    rows = [opkit.Candidate.make("rows", BLOCK_Q=block_q, num_warps=1)]
+    if (spec.attrs.get("cos_batch") or 1) > 1:
+        return rows  # per-sequence tables: rows only (space())
     return [opkit.Candidate.make("tile", BLOCK_S=block_s, HEADS=heads, num_warps=1),
-            opkit.Candidate.make("tile", BLOCK_S=1, HEADS=1, num_warps=1),
-            opkit.Candidate.make("rows", BLOCK_Q=block_q, num_warps=1)]
+            opkit.Candidate.make("tile", BLOCK_S=1, HEADS=1, num_warps=1), *rows]
 
 
 def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
@@ -213,6 +239,14 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     ctx = dict(cand.p)
     ctx.update(HALF=d // 2, BLOCK_H=opkit.next_pow2(d // 2), kernel_name=f"forge_{NAME}_{cand.variant}",
                variant=cand.variant)
+    # Only specs that need them render the (b, h, s) addressing: (S, D) and (1, 1, S, D) tables with a
+    # contiguous x render exactly as before.
+    x = spec.inputs[0]
+    ctx["STRIDED"] = not x.contiguous
+    ctx["COS_BATCHED"] = (spec.attrs.get("cos_batch") or 1) > 1
+    ctx["COS_4D"] = spec.attrs.get("cos_batch") is not None  # (k, 1, S, D) tables: launch() reads S, D last
+    if ctx["STRIDED"] or ctx["COS_BATCHED"]:
+        ctx.update(H=x.shape[1], XSB=x.strides[0], XSH=x.strides[1], XSS=x.strides[2])
     return ctx
 
 

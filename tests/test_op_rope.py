@@ -187,7 +187,8 @@ def test_make_spec_checks_shape_and_split():
     assert [t.shape for t in spec.inputs] == [(2, 4, 16, 8), (16, 8), (16, 8)]
     for shape, attrs, needle in [((2, 4, 16, 8), {"split": 3}, r"splits the last dim at 3, not at its middle"),
                                  ((2, 4, 16, 7), {}, "even head dim"), ((16, 8), {}, r"\(B, H, S, D\)"),
-                                 ((2, 4, 16, 8), {"eps": 1}, "no attributes"),
+                                 ((2, 4, 16, 8), {"eps": 1}, "the attribute cos_batch only"),
+                                 ((2, 4, 16, 8), {"cos_batch": 3}, "k = 1 or B = 2"),
                                  ((1, 1, 2, 32768), {}, "head dims above 16384")]:
         with pytest.raises(ValueError, match=needle):
             mk(shape, "float16", "cpu", attrs)
@@ -290,12 +291,26 @@ def test_off_center_split_falls_back_with_the_reason():
 
 
 @cpu_only
+def test_hugging_face_layouts_are_taken():
+    """HF's call: q a transposed (B, S, H, D) projection, cos/sin (1 or B, 1, S, D) tables."""
+    f = forge.optimize(rope_chunk, interpreter=True, warn=False, search=False)
+    xq = torch.randn(B, S, H, D).transpose(1, 2)
+    for cos, sin in ((COS[None, None], SIN[None, None]),
+                     (COS.expand(B, 1, S, D).contiguous(), SIN.expand(B, 1, S, D).contiguous())):
+        for x in (X, xq):
+            e = forge.explain(f, x, cos, sin)
+            assert e.uses == "eager" and e.op == "rope" and e.reason.startswith("cache miss"), e.reason
+
+
+@cpu_only
 @pytest.mark.parametrize("args,needle", [
-    ((X, COS[None, None], SIN[None, None]), "cos must be (S, D) = (5, 16), got (1, 1, 5, 16)"),
-    ((X, COS.expand(B, 1, S, D).contiguous(), SIN), "cos must be (S, D)"),
+    ((X, COS[None, None], SIN), "cos (1, 1, 5, 16) and sin (5, 16) must have one shape"),
+    ((X, COS.expand(1, H, S, D).contiguous(), SIN.expand(1, H, S, D).contiguous()),
+     f"cos and sin must be (S, D) = (5, 16) or (1 or B, 1, S, D), got (1, {H}, 5, 16)"),
+    ((X, COS.t().contiguous().t(), SIN), "non-contiguous input 1"),
     ((X[0], COS, SIN), "x must be 4-D"),
     ((X, COS.half(), SIN.half()), "must share one dtype"),
-    ((torch.randn(B, S, H, D).transpose(1, 2), COS, SIN), "non-contiguous"),
+    ((torch.randn(B, H, D, S).transpose(-1, -2), COS, SIN), "last dimension must be contiguous"),
 ])
 def test_unsupported_layouts_fall_back_with_a_reason(args, needle):
     f = forge.optimize(rope_chunk, interpreter=True, warn=False)

@@ -250,3 +250,38 @@ def test_hf_attention_regions_are_tunable_in_their_layout():
     (r,) = [r for r in regions if r.op == "sdpa"]
     assert r.unsupported is None, r.unsupported
     assert r.attrs["strides"] == "160,8,32,1;80,8,16,1;80,8,16,1" and r.attrs["causal"] and r.attrs["kv_heads"] == 2
+
+
+# -- rope in Hugging Face's layout: q/k transposed views, (1 or B, 1, S, D) tables --------------------------
+def _rope_cases():
+    cases = []
+    for shape in ((2, 3, 5, 8), (1, 4, 1, 16), (2, 1, 9, 6)):
+        b, h, s, d = shape
+        for strided in (False, True):
+            for cos_batch in (None, 1, b):
+                if not strided and cos_batch is None:
+                    continue  # the contiguous (S, D) case is tests/test_templates.py's
+                attrs = {} if cos_batch is None else {"cos_batch": cos_batch}
+                if strided:  # (B, S, H, D) read as (B, H, S, D)
+                    attrs["strides"] = f"{s * h * d},{d},{h * d},1;c;c"
+                spec = ops.get("rope").module.make_spec(shape, "float32", DEVICE, attrs)
+                for cand in ops.get("rope").module.test_candidates(spec):
+                    cases.append(pytest.param(shape, dict(attrs), cand,
+                                              id=f"{cand.label}-{shape}-strided={strided}-cos_batch={cos_batch}"))
+    return cases
+
+
+@pytest.mark.parametrize(("shape", "attrs", "cand"), _rope_cases())
+def test_rope_in_hf_layouts_matches_the_oracle(shape, attrs, cand, tmp_path):
+    op = ops.get("rope")
+    spec = op.module.make_spec(shape, "float32", DEVICE, attrs)
+    reason = check_candidate(op.module, _load(op, spec, cand, tmp_path), spec, 5, _sync)
+    assert reason is None, f"{cand.label} {shape} {attrs}: {reason}"
+
+
+def test_per_sequence_tables_leave_the_tile_variant_out():
+    mod = ops.get("rope").module
+    spec = mod.make_spec((2, 8, 64, 16), "float16", "cuda", {"cos_batch": 2})
+    sp = mod.space(spec)
+    assert not any(sp.valid(c) for c in sp.points("tile")) and any(sp.valid(c) for c in sp.points("rows"))
+    assert [t.shape for t in spec.inputs] == [(2, 8, 64, 16), (2, 1, 64, 16), (2, 1, 64, 16)]

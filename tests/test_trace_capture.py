@@ -114,11 +114,13 @@ def test_llama_rmsnorm_silu_mul_rope_and_sdpa_regions():
     for r in norms + mlp:
         _assert_region_computes_its_node(result, r)
 
-    # rope: q * cos + rotate_half(q) * sin with cos/sin (B, S, D) unsqueezed at dim 1: recognised, the
-    # layout named as the reason (the kernel takes (S, D) cos/sin).
+    # rope: q * cos + rotate_half(q) * sin with cos/sin (1, S, D) unsqueezed at dim 1 and q, k transposed
+    # (B, S, H, D) projections: tunable in that layout (cos_batch 1, x's strides).
+    layouts = {(2, 4, 16, 16): "1024,16,64,1;c;c", (2, 2, 16, 16): "512,16,32,1;c;c"}
     for r in by["rope"]:
-        assert r.attrs == {"split": 8} and r.dtype == "float32"
-        assert r.unsupported.startswith("cos must be (S, D) = (16, 16), got (1, 1, 16, 16)")
+        assert r.unsupported is None and r.dtype == "float32"
+        assert r.attrs == {"cos_batch": 1, "strides": layouts[r.shape]}, r.attrs
+        _assert_region_computes_its_node(result, r)
     # sdpa, HF's call: is_causal, scale and enable_gqa by keyword; q, k, v strided views of the projections.
     for r in by["sdpa"]:
         _assert_hf_causal_sdpa(r)
@@ -205,10 +207,10 @@ def test_cli_traces_a_hf_model_file_function(llama_file, tmp_path):
                       if r["tunable"] and r["op"] != "matmul"})
     # sdpa is tunable where HF calls it with is_causal (transformers 5.24); 5.17 passes a mask tensor
     causal_call = any(r["op"] == "sdpa" and "attn_mask" not in r["attrs"] for r in doc["regions"])
-    assert tunable == [("rmsnorm", (2, 16, 64), "float32"), *([("sdpa", (2, 4, 16, 16, 16), "float32")]
-                                                               if causal_call else []),
+    assert tunable == [("rmsnorm", (2, 16, 64), "float32"), ("rope", (2, 2, 16, 16), "float32"),
+                       ("rope", (2, 4, 16, 16), "float32"),
+                       *([("sdpa", (2, 4, 16, 16, 16), "float32")] if causal_call else []),
                        ("silu_mul", (2, 16, 128), "float32")]
-    assert all(r["reason"] for r in doc["regions"] if r["op"] == "rope")
     # the weights the function's global `model` holds, by name
     names = {n for r in doc["regions"] if r["op"] == "rmsnorm" for n in r["inputs"] if n.endswith("weight")}
     assert names == {*(f"model.model.layers.{i}.{n}.weight" for i in range(2)
@@ -216,6 +218,8 @@ def test_cli_traces_a_hf_model_file_function(llama_file, tmp_path):
     labels = [j.label for j in manifest.load(out, env={}).jobs if j.op != "matmul"]
     sdpa = [r["attrs"]["strides"] for r in doc["regions"] if r["op"] == "sdpa" and r["tunable"]][:1]
     assert labels == ["rmsnorm 2x16x64 float32 eps=1e-06",
+                      "rope 2x4x16x16 float32 cos_batch=1 strides=1024,16,64,1;c;c",
+                      "rope 2x2x16x16 float32 cos_batch=1 strides=512,16,32,1;c;c",
                       *(f"sdpa 2x4x16x16x16 float32 causal=True kv_heads=2 scale=0.25 strides={st}" for st in sdpa),
                       "silu_mul 2x16x128 float32"]
     v = doc["verify"]  # nothing cached: every region runs eager, the capture replays exactly
