@@ -94,7 +94,8 @@ def test_hf_model_record_tune_then_swap(kind, tmp_path, monkeypatch):
             kernels[r.op] = kernels.get(r.op, 0) + 1
     assert kernels == expected, rep
     assert len(be.kernel_calls) == sum(expected.values())
-    assert all(c.calls - c.fallbacks >= 1 for c in be.kernel_calls), [(c.__name__, c.calls, c.fallbacks) for c in be.kernel_calls]
+    ran = [(c.__name__, c.calls, c.fallbacks) for c in be.kernel_calls]
+    assert all(calls - fallbacks >= 1 for _, calls, fallbacks in ran), ran  # every kernel ran, unguarded
     # 4. Another sequence length: Dynamo recompiles, the untuned spec is a miss, run as written.
     ids2 = _ids(12)
     with torch.no_grad():
