@@ -162,7 +162,8 @@ def strides_text(layouts: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str 
     return ";".join(parts) if strided else None
 
 
-def parse_strides(text: Any, shapes: list[tuple[int, ...]], strided_inputs: tuple[int, ...]) -> list[tuple | None]:
+def parse_strides(text: Any, shapes: list[tuple[int, ...]], strided_inputs: tuple[int, ...],
+                  any_order: bool = False) -> list[tuple | None]:
     """The per-input strides a "strides" attribute names (None: contiguous); ValueError with the reason."""
     if not isinstance(text, str):
         raise ValueError(f"strides={text!r}: expected a string like '4096,1;c' (one entry per input)")
@@ -182,17 +183,18 @@ def parse_strides(text: Any, shapes: list[tuple[int, ...]], strided_inputs: tupl
         if i not in strided_inputs:
             raise ValueError(f"input {i} must be contiguous (this op takes strided layouts for input(s) "
                              f"{list(strided_inputs) or 'none'})")
-        check_layout(shape, strides, f"input {i}")
+        check_layout(shape, strides, f"input {i}", any_order)
         out.append(strides)
     return out
 
 
-def check_layout(shape: tuple[int, ...], strides: tuple[int, ...], what: str) -> None:
-    """A layout a strided kernel takes: one stride per dim, the last dim contiguous, every other stride
-    positive, and no two elements at one address (each dim, by stride, steps over all the smaller ones)."""
+def check_layout(shape: tuple[int, ...], strides: tuple[int, ...], what: str, any_order: bool = False) -> None:
+    """A layout a strided kernel takes: one stride per dim, the last dim contiguous (unless any_order: the
+    family's kernels take any order, e.g. matmul's w.t()), every stride positive, and no two elements at
+    one address (each dim, by stride, steps over all the smaller ones)."""
     if len(strides) != len(shape):
         raise ValueError(f"{what}: {len(strides)} strides for {len(shape)} dims")
-    if shape[-1] > 1 and strides[-1] != 1:
+    if not any_order and shape[-1] > 1 and strides[-1] != 1:
         raise ValueError(f"{what}: the last dimension must be contiguous (stride 1), got strides {strides}")
     dims = sorted((st, n) for n, st in zip(shape, strides, strict=True) if n > 1)
     span = 1

@@ -19,6 +19,7 @@ from types import ModuleType
 
 from forge import opkit
 from forge.errors import UsageError, shown
+from forge.spec import same_layout
 
 _PKG = Path(__file__).resolve().parent
 
@@ -74,6 +75,8 @@ _PKG = Path(__file__).resolve().parent
 #                                            contiguous, any outer strides: opkit.check_layout); run() must
 #                                            handle them and alloc_output() return a contiguous output.
 #                                            Absent: every input contiguous.
+#   STRIDED_ANY_ORDER = True                 those inputs may be in any order of strides, the last dim too
+#                                            (matmul's x @ w.t()), not only with the last dim contiguous
 #
 # The attribute "strides" (opkit.STRIDES) is forge's, not the op's: _load wraps make_spec so that it is
 # taken out before the op's make_spec sees the attributes and applied to the spec's TensorSpecs after
@@ -211,7 +214,8 @@ def strided_attrs(op, inputs, attrs: dict) -> tuple[dict, str | None]:
                            + (f"input(s) {list(strided)} strided, the others contiguous)" if strided
                               else "contiguous inputs only)"))
         try:
-            opkit.check_layout(tuple(t.shape), tuple(t.stride()), f"input {i}")
+            opkit.check_layout(tuple(t.shape), tuple(t.stride()), f"input {i}",
+                               bool(getattr(op.module, "STRIDED_ANY_ORDER", False)))
         except ValueError as exc:
             return attrs, f"a layout {op.name}'s kernels do not take: {exc}"
     text = opkit.strides_text([(tuple(t.shape), tuple(t.stride())) for t in inputs])
@@ -225,6 +229,7 @@ def _install_strides(mod: ModuleType) -> None:
         return
     raw_spec, raw_inputs = mod.make_spec, mod.make_inputs
     strided = tuple(getattr(mod, "STRIDED_INPUTS", ()))
+    any_order = bool(getattr(mod, "STRIDED_ANY_ORDER", False))
 
     @functools.wraps(raw_spec)
     def make_spec(shape, dtype, device, attrs=None):
@@ -233,8 +238,10 @@ def _install_strides(mod: ModuleType) -> None:
         spec = raw_spec(shape, dtype, device, attrs)
         if text is None:
             return spec
-        layouts = opkit.parse_strides(text, [t.shape for t in spec.inputs], strided)
-        inputs = tuple(t if st is None else dataclasses.replace(t, strides=st)
+        layouts = opkit.parse_strides(text, [t.shape for t in spec.inputs], strided, any_order)
+        # A layout that addresses the tensor as contiguous strides do (a size-1 dim's stride never
+        # matters) keeps the canonical strides: one spec, one key, one set of test inputs.
+        inputs = tuple(t if st is None or same_layout(t.shape, st, t.strides) else dataclasses.replace(t, strides=st)
                        for t, st in zip(spec.inputs, layouts, strict=True))
         canonical = opkit.strides_text([(t.shape, t.strides) for t in inputs])
         if canonical is None:

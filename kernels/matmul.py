@@ -1,10 +1,11 @@
 """matmul: C = A @ B for A (M, K), B (K, N) (mm), and batched A (Bt, M, K), B (Bt, K, N) (bmm).
 
-The problem shape is (M, N, K), or (Bt, M, N, K) when batched. Both operands are contiguous and of
+The problem shape is (M, N, K), or (Bt, M, N, K) when batched. Each operand is contiguous or in any
+strided layout (the "strides" attribute: x @ w.t(), a transposed A, a slice), and both are of
 the same dtype; the output has that dtype and is accumulated in fp32 (fp32 inputs: full-precision
 `input_precision="ieee"` dots, the same arithmetic as eager fp32 matmul with TF32 off, PyTorch's
 default). Not handled (the shim runs them eager, with the reason): broadcasting matmuls (3-D @ 2-D,
-batch dims of 1), 1-D operands, and transposed/strided operands such as `x @ w.t()`.
+batch dims of 1) and 1-D operands.
 
 Variants:
   tiled   one BLOCK_M x BLOCK_N output tile per program, looping over K; programs are ordered in
@@ -89,9 +90,6 @@ def problem(inputs, attrs) -> tuple[int, ...]:
         raise ValueError(f"inner dimensions differ: A {tuple(a.shape)}, B {tuple(b.shape)}")
     if a.dtype != b.dtype:
         raise ValueError(f"A and B have different dtypes ({a.dtype}, {b.dtype})")
-    for name, t in (("A", a), ("B", b)):
-        if not t.is_contiguous():  # e.g. w.t(): the kernels index row-major operands only
-            raise ValueError(f"{name} is not contiguous (a transposed or strided operand such as w.t())")
     m, k = a.shape[-2:]
     n = b.shape[-1]
     return (m, n, k) if a.dim() == 2 else (a.shape[0], m, n, k)
@@ -141,6 +139,12 @@ def reference(inputs, attrs):
     import torch
 
     return torch.matmul(*inputs)
+
+
+# A and B may each be in any layout (x @ w.t(), a transposed A, slices): forge/ops.py's "strides" attribute;
+# the strides are baked into the rendered kernel. The output is contiguous.
+STRIDED_INPUTS = (0, 1)
+STRIDED_ANY_ORDER = True
 
 
 def alloc_output(inputs, spec: KernelSpec):
@@ -276,6 +280,15 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     # those bits as integers; widening to fp32 first is exact (bf16 products fit fp32's mantissa).
     # CUDA sources keep the native bf16 dot.
     ctx["DOT_CAST"] = ".to(tl.float32)" if spec.device != "cuda" and spec.dtype == "bfloat16" else ""
+    # Strided operands (only specs that have them render this addressing; contiguous renders are as before):
+    # A's (batch, m, k) and B's (batch, k, n) strides as literals, a batch stride of 0 for 2-D operands.
+    a, b = spec.inputs
+    ctx["STRIDED"] = not (a.contiguous and b.contiguous)
+    if ctx["STRIDED"]:
+        sa = (0, *a.strides) if len(a.shape) == 2 else a.strides
+        sb = (0, *b.strides) if len(b.shape) == 2 else b.strides
+        ctx.update(SAB=sa[0], SAM=sa[1], SAK=sa[2], SBB=sb[0], SBK=sb[1], SBN=sb[2],
+                   A_STRIDES=tuple(a.strides), B_STRIDES=tuple(b.strides))
     ctx["kernel_name"] = f"forge_{NAME}_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx
