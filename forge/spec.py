@@ -84,7 +84,13 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        """The bytes one tensor of this spec spans: its elements, plus the gaps of a strided layout."""
+        """The bytes of its elements (what a kernel moves: bytes_moved, the roofline)."""
+        return self.numel * self.itemsize
+
+    @property
+    def span_bytes(self) -> int:
+        """The bytes one tensor of this spec occupies: its elements plus the gaps of a strided layout (the
+        memory model, timing sets, the fits check). nbytes when contiguous."""
         return storage_elements(self.shape, self.strides) * self.itemsize
 
     def to_dict(self) -> dict[str, Any]:

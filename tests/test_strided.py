@@ -53,7 +53,8 @@ def test_a_contiguous_layout_is_the_contiguous_spec_and_key():
     assert named == plain and "strides" not in named.attrs
     strided = mod.make_spec((6, 40), "float32", "cpu", {"eps": 1e-6, "strides": "100,1;c"})
     assert strided.inputs[0].strides == (100, 1) and strided.attrs["strides"] == "100,1;c"
-    assert strided.inputs[0].nbytes == (5 * 100 + 40) * 4  # the span, gaps included (memory model)
+    assert strided.inputs[0].span_bytes == (5 * 100 + 40) * 4  # the span, gaps included (memory model)
+    assert strided.inputs[0].nbytes == 6 * 40 * 4  # the elements (what a kernel moves: the roofline)
     k = [keys.locate(ops.get("rmsnorm"), s, "interpreter").key for s in (plain, strided)]
     assert k[0] != k[1]
     # A size-1 dim's stride does not matter: the same layout, the same spec.

@@ -209,10 +209,10 @@ def check_fits(spec: KernelSpec, backend: str, gpu: int | None = None) -> None:
     """UsageError (exit 2) before any worker starts for a spec that cannot be tried here: a tensor
     beyond 64-bit indexing, or inputs that alone exceed the memory they would live in."""
     for t in spec.inputs:
-        if t.numel > _MAX_INDEX or t.nbytes > _MAX_INDEX:
+        if t.numel > _MAX_INDEX or t.span_bytes > _MAX_INDEX:
             raise UsageError(f"{spec.op} {spec.shape_str}: a {'x'.join(map(str, t.shape))} tensor has "
                              f"{t.numel:.3g} elements, beyond 64-bit indexing")
-    need = sum(t.nbytes for t in spec.inputs)
+    need = sum(t.span_bytes for t in spec.inputs)
     have, what = device_memory(backend, gpu)
     if need > have:
         raise UsageError(f"{spec.op} {spec.shape_str} {spec.dtype}: its inputs alone take {_gib(need)}, more than "

@@ -3,7 +3,7 @@ alone; how many workers may validate at once given the free memory; how many tim
 
 Validation (validate.check_candidate, in each worker, one input distribution at a time):
 
-    inputs    one set of the spec's inputs (TensorSpec.nbytes)
+    inputs    one set of the spec's inputs (TensorSpec.span_bytes)
     generate  make_inputs' transient above the finished inputs: a float32 draw, float32 uniforms and a
               bool mask for the largest input (opkit.random_tensor), GENERATE_BYTES_PER_ELEMENT each
     output    the candidate's output, its real size (alloc_output on meta tensors: matmul's M x N)
@@ -91,7 +91,7 @@ def _meta_output(opmod, spec: KernelSpec) -> tuple[int, int]:
         return out.numel() * out.element_size(), out.numel()
     except Exception:  # noqa: BLE001 - an op whose alloc_output needs data: assume input 0's size
         first = spec.inputs[0]
-        return first.nbytes, first.numel
+        return first.span_bytes, first.numel
 
 
 def oracle_is_bounded(opmod) -> bool:
@@ -102,7 +102,7 @@ def oracle_is_bounded(opmod) -> bool:
 
 
 def estimate(opmod, spec: KernelSpec) -> Footprint:
-    inputs = sum(t.nbytes for t in spec.inputs)
+    inputs = sum(t.span_bytes for t in spec.inputs)
     out_bytes, out_elems = _meta_output(opmod, spec)
     if oracle_is_bounded(opmod):
         chunk = opkit.oracle_budget(inputs)

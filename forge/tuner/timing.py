@@ -41,7 +41,7 @@ class Bench:
         first = opmod.make_inputs(spec, seed + 77, "normal")
         first_out = opmod.alloc_output(first, spec)
         # The real output size (matmul's M x N is not its first input's size).
-        set_bytes = sum(t.nbytes for t in spec.inputs) + first_out.numel() * first_out.element_size()
+        set_bytes = sum(t.span_bytes for t in spec.inputs) + first_out.numel() * first_out.element_size()
         if self.cuda:
             l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
             want = min(MAX_SETS, max(1, math.ceil(L2_MULTIPLE * l2 / set_bytes)))

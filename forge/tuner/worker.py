@@ -98,7 +98,7 @@ class Session:
         self.op = ops.get(msg["op"]).module
         self.spec = KernelSpec.from_dict(msg["spec"])
         self.seed = int(msg.get("seed", 0))
-        self.large = sum(t.nbytes for t in self.spec.inputs) >= COLLECT_BYTES
+        self.large = sum(t.span_bytes for t in self.spec.inputs) >= COLLECT_BYTES
         return {"status": Status.OK}
 
     def memory(self, msg: dict) -> dict:
