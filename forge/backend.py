@@ -41,6 +41,7 @@ from forge.errors import UsageError
 MISS = ("search", "record", "eager")
 REST = ("eager", "inductor")
 DEFAULT_MANIFEST = "forge-misses.toml"
+RECORDED = ("cache miss: recorded", "cache miss: already recorded")  # a miss now in the manifest (misses.record)
 
 
 @dataclass(frozen=True)
@@ -187,13 +188,12 @@ class Backend:
             reports.append(report)
             if swap is not None:
                 swaps.append((r, swap))
-            if swap is not None or (r.unsupported is None and "recorded" in report.reason):
+            if swap is not None or report.reason.startswith(RECORDED):
                 produced[r.root] = g.values[r.root].contiguous()
         with self._lock:
             self.graphs += 1
             self.regions.extend(reports)
             self.unmatched.extend((index, u.node.name, u.call, u.reason) for u in unmatched)
-        with self._lock:
             self.kernel_calls.extend(call for _, call in swaps)
         if not swaps:
             return self._rest(gm, args), g.output
