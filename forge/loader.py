@@ -55,16 +55,25 @@ def _write_atomically(source: str, directory: Path, name: str) -> Path:
     path = directory / name
     if path.is_file() and path.read_text() == source:
         return path
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    atomic_write(path, source)
+    return path
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step (a reader sees the old file or the new one; nothing partial
+    is left behind). The one writer of files that others read while they change: kernel sources, export
+    modules and repositories, recorded-miss manifests."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    return path
 
 
 def _disk_full(directory, exc: OSError):

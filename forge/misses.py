@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from forge.loader import atomic_write
 
 
 def _entry_id(e: dict[str, Any]) -> tuple:
@@ -57,16 +58,7 @@ def record(path: str | os.PathLike, op: str, shape: tuple, dtype: str, device: s
                     break
             else:
                 entries.append({"op": op, "shapes": [shape_s], "dtype": dtype, **attrs})
-            text = tomli_w.dumps(doc)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    fh.write(text)
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            atomic_write(path, tomli_w.dumps(doc))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         return f"not recorded: {path}: {exc}"
     return "recorded"
