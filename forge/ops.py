@@ -204,7 +204,9 @@ def strided_attrs(op, inputs, attrs: dict) -> tuple[dict, str | None]:
     contiguous are taken where the op family lists them in STRIDED_INPUTS, in a layout its kernels take
     (opkit.check_layout); the spec, and so the search and the key, then carry the layout."""
     if all(t.is_contiguous() for t in inputs):
-        return attrs, None
+        # (attrs may carry the layout of other tensors: a region first found on eager's view, resolved for the
+        # contiguous output of the kernel that feeds it)
+        return {k: v for k, v in attrs.items() if k != opkit.STRIDES}, None
     strided = tuple(getattr(op.module, "STRIDED_INPUTS", ()))
     for i, t in enumerate(inputs):
         if t.is_contiguous():

@@ -343,3 +343,14 @@ def test_the_shim_runs_x_at_w_t_as_a_kernel(monkeypatch):
     # the transposed weight is the spec's layout: a contiguous B is another spec
     g = forge.optimize(lambda a, b: a @ b, interpreter=True, search=False, warn=False)
     assert forge.explain(g, x, w.t().contiguous()).reason.startswith("cache miss")
+
+
+def test_a_stale_layout_attribute_gives_way_to_the_tensors_own():
+    """The backend resolves a region found on eager's strided view for a contiguous input (the kernel that
+    feeds it writes contiguous outputs): the attribute follows the tensors, not the region's first sight."""
+    op = ops.get("rmsnorm")
+    x, w = torch.randn(6, 40), torch.randn(40)
+    attrs, why = ops.strided_attrs(op, [x, w], {"eps": 1e-6, "strides": "100,1;c"})
+    assert why is None and attrs == {"eps": 1e-6}
+    attrs, why = ops.strided_attrs(op, [torch.randn(6, 100)[:, :40], w], {"eps": 1e-6, "strides": "64,1;c"})
+    assert why is None and attrs == {"eps": 1e-6, "strides": "100,1;c"}
