@@ -585,6 +585,61 @@ def test_bench_records_out_of_memory_per_contestant(fault_ops):
     assert "out of memory while being prepared for timing: MemoryError" in cs[1].reason
 
 
+def test_bench_exits_3_when_forges_own_oracle_runs_out_of_memory(tmp_path, fault_ops, monkeypatch):
+    """forge bench: nothing can be judged for a spec whose validation oracle runs out of memory: exit 3 with
+    the numbers (never 1, never a silent 0); the other targets of the run are still benched."""
+    from typer.testing import CliRunner
+
+    from forge_cli import cli
+
+    db = tmp_path / "forge.db"
+    for op in ("starved", "softmax"):
+        engine.search(op, (4, 8), "float32", device="cpu", cache=Cache(db),
+                      options=engine.SearchOptions(budget=1, workers=1, timeout=60))
+    common = ["--shape", "4x8", "--dtype", "float32", "--device", "cpu", "--rounds", "2", "--cache", str(db),
+              "--skip", "compile", "--skip", "compile-max-autotune", "--skip", "liger"]
+    ok = CliRunner().invoke(cli.app, ["bench", "starved", *common, "--json"])
+    assert ok.exit_code == 0, ok.output
+    mod = ops.get("starved").module
+
+    def starving(inputs, attrs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB (the oracle, on purpose)")
+
+    monkeypatch.setattr(mod, "oracle", starving)
+    res = CliRunner().invoke(cli.app, ["bench", "starved", *common, "--json"])
+    assert res.exit_code == ExitCode.ENVIRONMENT, res.output
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    (target,) = doc["targets"]
+    assert doc["out_of_memory"] == 1 and "float64 oracle ran out of memory" in target["out_of_memory"]
+    assert "forge estimates ~" in target["out_of_memory"] and "free on this host" in target["out_of_memory"]
+    assert {c["status"] for c in target["contestants"] if c["status"] != "skipped"} == {"oom"}
+    text = " ".join(res.stderr.split())
+    assert "out of memory:" in text and "(the oracle, on purpose)" in text and "Traceback" not in text
+    # a manifest of both: softmax is benched, and the run still exits 3 for starved
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(textwrap.dedent("""
+        [defaults]
+        device = "cpu"
+        dtype = "float32"
+
+        [[op]]
+        op = "starved"
+        shape = "4x8"
+
+        [[op]]
+        op = "softmax"
+        shape = "4x8"
+        """))
+    res = CliRunner().invoke(cli.app, ["bench", "--manifest", str(manifest), "--rounds", "2", "--cache", str(db),
+                                       "--skip", "compile", "--skip", "compile-max-autotune", "--skip", "liger",
+                                       "--json"])
+    assert res.exit_code == ExitCode.ENVIRONMENT, res.output
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    by_op = {t["op"]: t for t in doc["targets"]}
+    assert by_op["softmax"]["out_of_memory"] is None
+    assert any(c["status"] == "ok" and c["name"] == "eager" for c in by_op["softmax"]["contestants"])
+
+
 def test_tensorspec_is_what_the_model_reads():
     spec = KernelSpec("softmax", (TensorSpec((3, 5), "bfloat16", device="cuda"),), {"dim": -1})
     fp = memory.estimate(ops.get("softmax").module, spec)

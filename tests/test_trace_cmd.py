@@ -232,3 +232,67 @@ def test_regions_cut_at_shared_values_and_direct_inputs():
     regions, unmatched = tracecmd.find_regions(g, "cpu")
     assert [r.op for r in regions] == ["layer_norm", "gelu", "softmax"]
     assert [u.call for u in unmatched] == ["function mul"]
+
+
+HUNGRY = '''
+import torch
+
+CALLS = {{"n": 0}}
+
+
+# A custom op is captured into the graph like any op (a Python condition would be specialised away by
+# Dynamo), so --profile and --verify, which rerun the captured graphs, meet it again.
+@torch.library.custom_op("{ns}::hungry", mutates_args=())
+def hungry(x: torch.Tensor) -> torch.Tensor:
+    CALLS["n"] += 1
+    if CALLS["n"] > {allowed}:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB (on purpose)")
+    return x.clone()
+
+
+@hungry.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def f(x):
+    return torch.softmax(hungry(x), dim=-1)
+'''
+
+
+@pytest.mark.parametrize(("allowed", "flags", "needle"), [
+    (0, [], "tracing: the target ran out of memory"),
+    (1, ["--profile"], "profiling (--profile): the target ran out of memory"),
+    (1, ["--verify"], "verifying (--verify): the target ran out of memory"),
+])
+def test_a_target_out_of_memory_is_exit_3_with_the_numbers(tmp_path, allowed, flags, needle):
+    """Issue 15: the user's model running out of memory under trace, --profile or --verify is an environment
+    limit (exit 3, the free memory, what to do), never exit 1 nor 'cannot trace'."""
+    ns = f"forge_test_{tmp_path.name.replace('-', '_')}"  # a custom op name registers once per process
+    (tmp_path / "hungry.py").write_text(textwrap.dedent(HUNGRY.format(ns=ns, allowed=allowed)))
+    res = runner.invoke(cli.app, ["trace", f"{tmp_path / 'hungry.py'}:f", "--input", "3x8", "--device", "cpu",
+                                  *flags])
+    assert res.exit_code == 3, res.output
+    text = " ".join(res.output.split())
+    assert needle in text and "free on this host now" in text and "smaller input" in text
+    assert "Traceback" not in text and "cannot trace" not in text
+
+
+def test_outputs_compare_chunk_by_chunk_as_a_whole(monkeypatch):
+    """compare_outputs' float64 work runs over bounded chunks and gives the whole-tensor answer."""
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(1000, 37, generator=gen).to(torch.bfloat16)
+    got = (ref.float() + 1e-3 * torch.randn(1000, 37, generator=gen)).to(torch.bfloat16)
+    got[3, 5] = float("inf")
+    ref[3, 5] = float("inf")
+    whole = tracecmd.compare_outputs(ref, got)
+    monkeypatch.setattr(tracecmd, "VERIFY_CHUNK", 999)  # 38 chunks, the last one partial
+    chunked = tracecmd.compare_outputs(ref, got)
+    assert chunked["ok"] == whole["ok"] and chunked["max_abs_error"] == whole["max_abs_error"]
+    assert chunked["rel_error"] == pytest.approx(whole["rel_error"], rel=1e-12) and whole["rel_error"] > 0
+    r64, g64 = ref.double(), got.double()
+    fin = torch.isfinite(r64)
+    expect = float((g64[fin] - r64[fin]).norm() / r64[fin].norm())
+    assert whole["rel_error"] == pytest.approx(expect, rel=1e-12)
+    got[0, 0] = float("nan")  # finite in eager, not in forge's output: never ok, in any chunking
+    assert not tracecmd.compare_outputs(ref, got)["ok"]

@@ -21,6 +21,7 @@ same graphs, it says it cannot verify rather than compare something else).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from forge import ops
-from forge.errors import UsageError
+from forge.errors import EnvironmentProblem, UsageError
 from forge.regions import Region, Unmatched, find_regions, param_names
 from forge.spec import DTYPES, dtype_name
 
@@ -152,6 +153,41 @@ def _first_lines(exc: BaseException) -> str:
     return text
 
 
+def out_of_memory_is_environment(what: str):
+    """Decorator: the user's model running out of memory while `what` (host or GPU) is an environment
+    limit, exit 3 naming the free memory and what to do (issue 15), never a crash or 'cannot trace'."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            from forge.tuner import memory
+
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                if not memory.is_oom(exc):
+                    raise
+                import torch
+
+                cuda = type(exc).__name__ == "OutOfMemoryError" and torch.cuda.is_available()
+                backend = "cuda" if cuda else "interpreter"  # the GPU's allocator, else the host's memory
+                del exc  # its traceback holds the frames' tensors: free them before measuring
+                memory.give_back(backend)
+                free, total = memory.free_memory(backend)
+                where = "the GPU" if backend == "cuda" else "this host"
+                have = (f"{memory.gib(free)} of {memory.gib(total)} free on {where} now" if free is not None
+                        and total else "free memory unknown")
+                raise EnvironmentProblem(
+                    f"{what}: the target ran out of memory ({have}). Trace a smaller input (--input, or the "
+                    "file's get_inputs()), or free the memory other processes hold; tracing keeps every "
+                    "intermediate value of one forward, verifying keeps eager's output beside forge's"
+                ) from None
+
+        return inner
+
+    return wrap
+
+
 class _QuietDynamo:
     """Dynamo logs a failing fake-tensor run with its traceback; the usage error says it in one line."""
 
@@ -228,6 +264,10 @@ def capture(target: Target) -> tuple[list, list[str]]:
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - Dynamo or the user's code failed; say why, no traceback
+        from forge.tuner import memory
+
+        if memory.is_oom(exc):
+            raise  # trace()'s decorator: exit 3 with the numbers, not "cannot trace"
         raise UsageError(f"{target.description}: cannot trace: TorchDynamo could not capture it: "
                          f"{_first_lines(exc)}") from None
     after = _break_counts()
@@ -241,6 +281,7 @@ def capture(target: Target) -> tuple[list, list[str]]:
     return graphs, breaks
 
 
+@out_of_memory_is_environment("tracing")
 def trace(target: Target, device: str) -> TraceResult:
     graphs, breaks = capture(target)
     names = param_names(target.fn)
@@ -360,6 +401,7 @@ def ranking(result: TraceResult, other_us: dict | None = None) -> list[dict[str,
     return rows
 
 
+@out_of_memory_is_environment("profiling (--profile)")
 def profile(result: TraceResult, iters: int = 5) -> dict[str, Any]:
     """Time per region with torch.profiler: each node runs inside a range named after its region, so
     every kernel is counted once (in the range that launched it), never as both aten op and kernel.
@@ -440,6 +482,33 @@ def _tensor_leaves(out) -> list:
     return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
 
 
+# Elements per float64 chunk when comparing outputs (issue 15: a model's logits, 4x1024x128256 bf16, are
+# 4.2 GiB in float64; whole-tensor copies and their temporaries took several times that). 2**24 elements
+# keep each float64 temporary at 128 MiB.
+VERIFY_CHUNK = 1 << 24
+
+
+def _relative_error(r, g) -> tuple[bool, float, float]:
+    """(the same elements finite in both, ||g - r|| / ||r|| over the elements finite in both, max |g - r|),
+    in float64, chunk by chunk over the flattened tensors: the float64 working set stays bounded."""
+    import torch
+
+    rf, gf = r.reshape(-1), g.reshape(-1)
+    finite, diff2, ref2, max_abs = True, 0.0, 0.0, 0.0
+    for start in range(0, rf.numel(), VERIFY_CHUNK):
+        r64 = rf[start:start + VERIFY_CHUNK].double()
+        g64 = gf[start:start + VERIFY_CHUNK].double()
+        fin_r, fin_g = torch.isfinite(r64), torch.isfinite(g64)
+        finite = finite and bool(torch.equal(fin_r, fin_g))
+        both = fin_r & fin_g
+        diff = torch.where(both, g64 - r64, 0.0)
+        diff2 += float(torch.linalg.vector_norm(diff)) ** 2
+        ref2 += float(torch.linalg.vector_norm(torch.where(both, r64, 0.0))) ** 2
+        max_abs = max(max_abs, float(diff.abs().max()))
+        del r64, g64, diff, both, fin_r, fin_g
+    return finite, diff2 ** 0.5 / max(ref2 ** 0.5, 1e-300), max_abs
+
+
 def compare_outputs(ref, got) -> dict[str, Any]:
     """Every tensor of the output (pytree leaves: a tensor, tuples, HF ModelOutputs) against eager: the
     relative norm error of each floating tensor against its dtype's tolerance, other tensors exactly.
@@ -460,13 +529,7 @@ def compare_outputs(ref, got) -> dict[str, Any]:
             continue
         dtype = dtype_name(r.dtype) if dtype_name(r.dtype) in DTYPES else "float32"
         tol = VERIFY_TOL[dtype]
-        r64, g64 = r.double(), g.double()
-        finite = bool((torch.isfinite(g64) == torch.isfinite(r64)).all())
-        both = torch.isfinite(r64) & torch.isfinite(g64)
-        diff = torch.where(both, g64 - r64, torch.zeros_like(r64))
-        err = float(torch.linalg.vector_norm(diff)) / max(float(torch.linalg.vector_norm(
-            torch.where(both, r64, torch.zeros_like(r64)))), 1e-300)
-        max_abs = float(diff.abs().max()) if r.numel() else 0.0
+        finite, err, max_abs = _relative_error(r, g)
         ok = ok and finite and err <= tol
         score = (err / tol) if finite else float("inf")
         if worst is None or score > worst[0]:
@@ -478,6 +541,7 @@ def compare_outputs(ref, got) -> dict[str, Any]:
             "tensors": len(refs)}
 
 
+@out_of_memory_is_environment("verifying (--verify)")
 def verify(result: TraceResult, cache, backend: str, iters: int = 20) -> dict[str, Any]:
     """Run the target through the forge TorchDynamo backend (forge/backend.py: each region with a cached
     kernel runs it, guarded; nothing is searched) and compare every output tensor with eager end to end.

@@ -237,7 +237,8 @@ class ProgressLines:
 
 def print_problems(report, recheck: bool) -> None:
     """The entries that decide a failing exit status, on stderr; then exit 5 (a cached kernel that must not be
-    trusted) or 2 (a selected spec with no cached decision)."""
+    trusted), 2 (a selected spec with no cached decision) or 3 (forge's own validation inputs or oracle ran
+    out of memory: nothing judged for that spec)."""
     if recheck:
         bad = [r for r in report.results if r.status in RECHECK_INVALID]
         missing = [r for r in report.results if r.status == Status.MISSING]
@@ -253,10 +254,15 @@ def print_problems(report, recheck: bool) -> None:
                       f"{escape(f.reason or '')}")
     for r in missing:
         err.print(f"[bold red]error:[/] {escape(r.target.error or '')}")
+    oom = [] if recheck else report.out_of_memory
+    for r in oom:
+        err.print(f"[bold red]out of memory:[/] {escape(r.target.label)}: {escape(r.out_of_memory or '')}")
     if bad:
         raise typer.Exit(ExitCode.CACHE)
     if missing:
         raise typer.Exit(ExitCode.USAGE)
+    if oom:  # nothing could be judged for these (the other targets were benched): an environment limit
+        raise typer.Exit(ExitCode.ENVIRONMENT)
 
 
 # -- the command ----------------------------------------------------------------------------------------
@@ -342,7 +348,7 @@ def bench_cmd(
     Contestants are checked against the float64 oracle, then timed interleaved (CUDA graphs on the GPU);
     % of roofline is against the device's measured copy bandwidth and matmul rate (docs/bench.md).
     Exit 5 if a cached kernel fails its sha256 or the oracle check, 2 if a selected spec has no cached
-    decision."""
+    decision, 3 if a spec could not be judged because forge's validation inputs or oracle ran out of memory."""
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise fail(UsageError(f"--plot needs matplotlib, which is not installed: {PLOT_HINT}"), ExitCode.USAGE)
     cli_vals = {"dtype": dtype, "device": device, "seed": seed, "timeout": timeout, "cache": cache}

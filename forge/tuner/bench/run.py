@@ -71,6 +71,9 @@ class TargetResult:
     contestants: list[ContestantResult] = field(default_factory=list)
     model: dict[str, Any] | None = None
     seconds: float = 0.0
+    # Why nothing could be judged: forge's own validation inputs or float64 oracle ran out of memory
+    # (every contestant is then oom). The command exits 3 for it (issue 15: never 1, never silent 0).
+    out_of_memory: str | None = None
 
     @property
     def fastest(self) -> str | None:
@@ -87,7 +90,7 @@ class TargetResult:
             stored = {"decision": e.decision, "variant": e.variant, "params": e.params, "winner": e.winner,
                       "baseline": e.baseline, "speedup": e.speedup}
         return {"op": t.op, "shape": t.shape_str, "dtype": t.dtype, "attrs": t.attrs, "key": t.key,
-                "error": t.error, "stored": stored, **(self.model or {}),
+                "error": t.error, "out_of_memory": self.out_of_memory, "stored": stored, **(self.model or {}),
                 "contestants": [c.to_dict() for c in self.contestants], "fastest": self.fastest,
                 "seconds": round(self.seconds, 3)}
 
@@ -113,6 +116,11 @@ class BenchReport:
                 if (c := r.contestant("forge")) is not None
                 and c.status in (Status.REFUSED, Status.MISMATCH, Status.ERROR)]
 
+    @property
+    def out_of_memory(self) -> list[TargetResult]:
+        """Targets nothing could be judged on: forge's validation inputs or oracle ran out of memory."""
+        return [r for r in self.results if r.out_of_memory]
+
     def to_dict(self) -> dict[str, Any]:
         return {"mode": "bench", "backend": self.backend,
                 "timing_clock": ("device: CUDA-graph replays (cuda-events where a contestant cannot be captured)"
@@ -120,7 +128,8 @@ class BenchReport:
                 "env": self.env, "cache": self.cache_path, "peaks": self.peaks.to_dict() if self.peaks else None,
                 "rounds": self.options.rounds or engine.SAMPLING[self.backend].final_rounds, "seed": self.options.seed,
                 "targets": [r.to_dict() for r in self.results], "missing": len(self.missing),
-                "bad_kernels": len(self.bad_kernels), "seconds": round(self.seconds, 3)}
+                "bad_kernels": len(self.bad_kernels), "out_of_memory": len(self.out_of_memory),
+                "seconds": round(self.seconds, 3)}
 
 
 def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions) -> list[ContestantResult]:
@@ -237,11 +246,11 @@ def _out_of_memory(c: ContestantResult, exc: BaseException, opmod, spec: KernelS
 
 
 def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed: int, sync: Callable,
-              backend: str = "cuda") -> None:
+              backend: str = "cuda") -> str | None:
     """Run each pending contestant once on fresh inputs (a private clone each, so one that writes into
     its inputs cannot affect the next) and compare with the float64 oracle. Out of memory is an outcome:
     a contestant's own is its status oom; forge's (the inputs, the oracle) leaves every pending contestant
-    oom, not validated and not timed, with the numbers."""
+    oom, not validated and not timed, with the numbers, and its reason is returned (None otherwise)."""
     import torch
 
     from forge.tuner.validate import compare
@@ -256,11 +265,11 @@ def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed
             raise
         inputs = ref = None
         memory.give_back(backend)
+        why = ("forge's validation inputs or float64 oracle ran out of memory (bench a smaller shape, or free "
+               f"the memory other processes hold): {_short(exc)} [{_memory_note(opmod, spec, backend)}]")
         for c in pending:
-            _out_of_memory(c, exc, opmod, spec, backend, "not validated, not timed: forge's validation inputs or "
-                           "float64 oracle ran out of memory (bench a smaller shape, or free the memory other "
-                           "processes hold)")
-        return
+            c.status, c.reason = Status.OOM, f"not validated, not timed: {why}"
+        return why
     tol = opmod.tolerance(spec.dtype)
     for c in pending:
         try:
@@ -279,6 +288,7 @@ def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed
             c.status, c.reason = Status.MISMATCH, f"does not match the float64 oracle, not timed: {reason}"
     del inputs, ref
     memory.give_back(backend)
+    return None
 
 
 def _event_sampler(bench, fn: Callable[[int], None]) -> Callable[[], float]:
@@ -385,7 +395,7 @@ def bench_target(target: Target, backend: str, cache: Cache, peaks: Peaks, opts:
     res.contestants = _contestants(target, backend, Path(cache.path).parent / "kernels-src", opts)
     sync = torch.cuda.synchronize if backend == "cuda" else (lambda: None)
     emit("validating", target=target, contestants=[c.name for c in res.contestants if c.status == Status.PENDING])
-    _validate(res.contestants, opmod, spec, opts.seed, sync, backend)
+    res.out_of_memory = _validate(res.contestants, opmod, spec, opts.seed, sync, backend)
     emit("timing", target=target, contestants=[c.name for c in res.contestants if c.status == Status.PENDING])
     _time(res.contestants, opmod, spec, backend, opts, engine.SAMPLING[backend])
     eager = res.contestant("eager")
