@@ -7,7 +7,9 @@ Parts (each a subprocess with its own time limit; a part that fails or times out
 next one still runs):
   tests     the GPU test tier, `python3 -m pytest -m gpu tests/` (junit XML to DIR/gpu-tests.xml)
   latency   bench/latency.py (the shim's per-call cost on a cache hit, with its breakdown) -> DIR/latency.json
-  suite     `forge search --manifest bench/suite.toml --devices 0 --json` -> DIR/suite.json
+  suite     `forge search --manifest bench/suite.toml --devices 0 --json` -> DIR/suite.json (+ suite.db)
+  big       `forge search --manifest bench/big.toml --json` -> DIR/big.json (+ big.db; issue 15's large
+            shapes; --big-time-budget ends it cleanly, --big-cache DB continues it in a later call)
 Forge caches live in a temporary directory, never under DIR (the device tool brings back few files).
 The last thing printed is one table of every part.
 """
@@ -71,19 +73,28 @@ def latency(out: Path, work: Path, args) -> list[str]:
     return lines
 
 
-def suite(out: Path, work: Path, args) -> list[str]:
-    dst = out / "suite.json"
+def _manifest_part(name: str, out: Path, cmd: list[str], limit: float, db: Path) -> list[str]:
+    """Run one `forge search --manifest ... --json` command; DIR/<name>.json gets its report with the machine
+    header, DIR/<name>.db a copy of its cache (SQLite backup API: a file copy can miss the WAL), so a later
+    call can continue the same manifest from it."""
+    dst = out / f"{name}.json"
     with open(dst, "w") as fh:
         t0 = time.monotonic()
-        cmd = [*FORGE, "search", "--manifest", "bench/suite.toml", "--devices", "0", "--budget",
-               str(args.budget), "--json", "--cache", str(work / "suite.db")]
         print("$", " ".join(cmd), flush=True)
         try:
-            rc: int | str = subprocess.run(cmd, stdout=fh, timeout=args.suite_limit).returncode
+            rc: int | str = subprocess.run(cmd, stdout=fh, timeout=limit).returncode
         except subprocess.TimeoutExpired:
-            rc = f"timeout after {args.suite_limit:.0f} s"
+            rc = f"timeout after {limit:.0f} s"
         wall = time.monotonic() - t0
-    lines = [f"suite: rc {rc}, {wall:.0f} s"]
+    lines = [f"{name}: rc {rc}, {wall:.0f} s"]
+    if db.exists():
+        import sqlite3
+
+        src, copy = sqlite3.connect(db), sqlite3.connect(out / f"{name}.db")
+        with copy:
+            src.backup(copy)
+        src.close()
+        copy.close()
     try:
         doc = json.loads(dst.read_text())
     except json.JSONDecodeError:
@@ -97,13 +108,38 @@ def suite(out: Path, work: Path, args) -> list[str]:
     env = collect_env("cuda" if torch.cuda.is_available() else "interpreter")
     header = {k: env.get(k) for k in ("gpu", "driver", "cuda", "torch", "triton", "forge")}
     header.update(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), python=sys.version.split()[0],
-                  command="forge " + " ".join(cmd[3:]).replace(str(work), "DIR"))
+                  command="forge " + " ".join(cmd[3:]).replace(str(db.parent), "DIR"), exit_code=rc)
     dst.write_text(json.dumps({**header, **doc}, indent=2))
     for e in doc.get("entries", []):
+        peak = e.get("peak_worker_bytes")
         lines.append(f"  {e['op']:13} {e['shape']:20} {e['dtype']:9} {e['status']:9} {str(e['decision']):6} "
                      f"{e.get('p50_us') or 0:9.2f} us vs eager {e.get('eager_p50_us') or 0:9.2f} us "
-                     f"({e.get('speedup') or 0:.2f}x) {e.get('winner')} {e.get('error') or ''}")
+                     f"({e.get('speedup') or 0:.2f}x) {e.get('seconds', 0):6.1f} s "
+                     f"peak/worker {peak / 2**30 if peak else 0:5.1f} GiB exit {e.get('exit_code')} "
+                     f"{e.get('winner')} {(e.get('error') or '')[:300]}")
     return lines
+
+
+def suite(out: Path, work: Path, args) -> list[str]:
+    db = work / "suite.db"
+    cmd = [*FORGE, "search", "--manifest", "bench/suite.toml", "--devices", "0", "--budget",
+           str(args.budget), "--json", "--cache", str(db)]
+    return _manifest_part("suite", out, cmd, args.suite_limit, db)
+
+
+def big(out: Path, work: Path, args) -> list[str]:
+    """Issue 15: bench/big.toml (prefill-sized and larger shapes after matmul 8192^3 entries) at its own
+    budget; --big-cache continues a run an earlier call cut at --big-time-budget (its cached entries are
+    not searched again)."""
+    db = work / "big.db"
+    if args.big_cache:
+        import shutil
+
+        shutil.copy(args.big_cache, db)
+    cmd = [*FORGE, "search", "--manifest", "bench/big.toml", "--json", "--cache", str(db)]
+    if args.big_time_budget:
+        cmd += ["--time-budget", str(args.big_time_budget)]
+    return _manifest_part("big", out, cmd, args.big_limit, db)
 
 
 def main() -> int:
@@ -115,12 +151,15 @@ def main() -> int:
     ap.add_argument("--tests-limit", type=float, default=420)
     ap.add_argument("--latency-limit", type=float, default=240)
     ap.add_argument("--suite-limit", type=float, default=420)
+    ap.add_argument("--big-limit", type=float, default=560)
+    ap.add_argument("--big-time-budget", type=float, default=None, help="forge search --time-budget for big")
+    ap.add_argument("--big-cache", type=Path, default=None, help="a big.db from an earlier call to continue")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONUNBUFFERED"] = "1"
     work = Path(tempfile.mkdtemp(prefix="forge-h200-"))
     os.environ.setdefault("FORGE_CACHE_DIR", str(work / "cache"))
-    parts = {"tests": tests, "latency": latency, "suite": suite}
+    parts = {"tests": tests, "latency": latency, "suite": suite, "big": big}
     summary: list[str] = []
     for name in args.parts.split(","):
         summary += parts[name](args.out, work, args)

@@ -26,6 +26,9 @@ def test_search_rmsnorm_on_cuda_decides_and_caches(tmp_path):
         assert q["p80"] < rep.baseline.p20 / 1.03
     again = engine.search("rmsnorm", (2048, 4096), "float16", device="cuda", cache=cache, options=opts)
     assert again.cache_hit and again.key == rep.key and again.decision == rep.decision
+    # issue 15: the most memory one worker held for this spec, at least its inputs and output
+    peak = rep.memory["peak_per_worker"]
+    assert isinstance(peak, int) and peak >= 2 * 2048 * 4096 * 2, rep.memory
 
 
 def test_fault_injection_on_cuda_records_every_failure(tmp_path, fault_ops):

@@ -644,3 +644,31 @@ def test_tensorspec_is_what_the_model_reads():
     spec = KernelSpec("softmax", (TensorSpec((3, 5), "bfloat16", device="cuda"),), {"dim": -1})
     fp = memory.estimate(ops.get("softmax").module, spec)
     assert fp.inputs == 30 and fp.output == 30 and fp.oracle_result == 120
+
+
+def test_the_pool_keeps_the_largest_peak_any_worker_reports(tmp_path):
+    """Issue 15's report: each validate/time reply carries its worker's peak (CUDA allocator reserved bytes
+    since the spec's setup); the pool keeps the largest since reset_peak(), per search."""
+    from multiprocessing import Pipe
+
+    from forge.tuner.pool import Pool, Worker
+
+    pool = Pool("interpreter", 2, {})
+    ends = []
+    for i in range(2):
+        parent, child = Pipe()
+        pool.workers.append(Worker(i, proc=None, conn=parent, log=None, ready=True))
+        ends.append(child)
+    for child, peak in zip(ends, (3 * GiB, 5 * GiB), strict=True):
+        child.send({"status": Status.OK, "peak": peak})  # answered before asked: the pool reads it in map()
+    pool.map([("a", {"cmd": "validate"}), ("b", {"cmd": "validate"})], timeout=10)
+    assert pool.peak == 5 * GiB
+    pool.reset_peak()
+    ends[0].send({"status": Status.OK, "peak": None})  # off CUDA: no number, nothing recorded
+    pool.map([("c", {"cmd": "time"})], timeout=10, lanes=1)
+    assert pool.peak is None
+    ends[0].send({"status": Status.OK, "peak": 1 * GiB})
+    pool.map([("d", {"cmd": "time"})], timeout=10, lanes=1)
+    assert pool.peak == 1 * GiB
+    rep = _search("softmax", tmp_path)
+    assert "peak_per_worker" in rep.memory and rep.memory["peak_per_worker"] is None  # CPU workers: no CUDA peak

@@ -64,6 +64,9 @@ class JobResult:
     finished: float | None = None
     share: float | None = None  # the job's share of the model's time (manifest `share`), if known
     note: str | None = None  # "time budget" for a skipped job; why a search was cut short
+    # The most device memory one worker held for this job (the CUDA caching allocator's reserved peak
+    # after the spec's setup); None off CUDA or when nothing was searched.
+    peak_worker_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -330,6 +333,7 @@ def _one(job: Job, cache: Cache, device, workers, force, events, pools, gpu: int
         base.p50_us = w["quantiles"]["p50"]
     base.eager_p50_us = rep.baseline.p50 if rep.baseline else None
     base.speedup = rep.speedup
+    base.peak_worker_bytes = (rep.memory or {}).get("peak_per_worker")
     if rep.cut_short is not None:
         base.note = f"cut short: {rep.cut_short}" + (
             "; eager not cached (a rerun searches again)" if rep.decision == "eager" else "")

@@ -405,6 +405,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     pool = (pools.get(backend, size, setup, gpu) if pools is not None
             else Pool(backend, size, setup, gpu=gpu).start())
     lap("startup")
+    pool.reset_peak()
     mem = Admission(spec, memory.estimate(op.module, spec), backend, gpu, size)
     forge_oom: dict[Candidate, dict] = {}  # this batch's candidates whose validation forge's own work starved
     dropped = 0  # candidates proposed but never validated: the deadline passed first
@@ -530,7 +531,8 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                           seconds=seconds, baseline=baseline, candidates=summary, source=source,
                           cache_path=str(cache.path), phases=phases,
                           memory={"estimate": mem.footprint.to_dict(), "free": mem.free, "total": mem.total,
-                                  "workers": size, "validation_lanes": mem.lanes}, cut_short=cut_short)
+                                  "workers": size, "validation_lanes": mem.lanes,
+                                  "peak_per_worker": pool.peak}, cut_short=cut_short)
     if winner is not None:
         report.winner = {"variant": winner.candidate.variant, "params": winner.candidate.p,
                          "quantiles": winner.final.to_dict()}

@@ -131,6 +131,12 @@ class Pool:
         self.workers: list[Worker] = []
         self._serial = 0
         self.replaced = 0
+        # The largest device memory (bytes the CUDA caching allocator reserved) any worker reported since
+        # reset_peak(): what one worker needed at most for the current spec (issue 15's report).
+        self.peak: int | None = None
+
+    def reset_peak(self) -> None:
+        self.peak = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _spawn(self) -> Worker:
@@ -282,6 +288,8 @@ class Pool:
                     self._replace(w)
                     continue
                 w.task = None
+                if isinstance(reply.get("peak"), int):
+                    self.peak = max(self.peak or 0, reply["peak"])
                 if reply.get("status") == INTERNAL:
                     raise WorkerInternalError(f"forge failed inside a worker:\n{reply['reason']}")
                 finish(tag, reply)

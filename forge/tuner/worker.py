@@ -95,6 +95,10 @@ class Session:
         self.bench = None
         self.modules.clear()
         memory.give_back(self.backend)
+        if self.backend == "cuda":  # the peak each reply reports is this spec's
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
         self.op = ops.get(msg["op"]).module
         self.spec = KernelSpec.from_dict(msg["spec"])
         self.seed = int(msg.get("seed", 0))
@@ -108,6 +112,14 @@ class Session:
         memory.give_back(self.backend, collect=False)
         free, total = memory.free_memory(self.backend)
         return {"status": Status.OK, "free": free, "total": total}
+
+    def peak(self) -> int | None:
+        """Bytes the CUDA caching allocator reserved at most since this spec's setup (None off CUDA)."""
+        if self.backend != "cuda":
+            return None
+        import torch
+
+        return int(torch.cuda.max_memory_reserved())
 
     def give_back(self, reply: dict) -> None:
         """After a request: what it allocated goes back (the timing sets stay until the next setup)."""
@@ -242,6 +254,7 @@ def main(conn, backend: str) -> None:
                 reply = {"status": INTERNAL, "reason": traceback.format_exc()}
         if not reply.get("poisoned") and msg["cmd"] in ("validate", "time"):
             session.give_back(reply)
+            reply["peak"] = session.peak()
         conn.send(reply)
         if reply.get("poisoned"):
             sys.stdout.flush()
