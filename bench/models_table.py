@@ -18,26 +18,38 @@ def _c(c: dict | None) -> str:
     return f"{c['ms_per_forward']:.2f} ({c['speedup_vs_eager']:.2f}x)"
 
 
+def _liger(r: dict) -> str:
+    """Liger's column: timed in its own process (it patches transformers for the whole process), against
+    that process's own eager run, where the JSON has it (liger_sequential); else the in-process contestant."""
+    seq = r.get("liger_sequential") or {}
+    if "liger" in seq and "error" not in seq["liger"]:
+        c = seq["liger"]
+        return f"{c['ms_per_forward']:.2f} ({c['speedup_vs_eager']:.2f}x, own process)"
+    return _c(r.get("contestants", {}).get("liger"))
+
+
 def table(path: Path) -> str:
     d = json.loads(path.read_text())
     lines = [f"`{path.name}` — {d['gpu']}, driver {d['driver']}, torch {d['torch']}, triton {d['triton']}, "
              f"transformers {d['transformers']}, {d['date']}; `{d['command']}`; {d['timing']}.", "",
              "| model | eager ms | forge ms (x eager) | torch.compile ms (x) | max-autotune ms (x) | Liger ms (x) "
-             "| forge device time vs eager | forge kernels / regions | first call s: forge / compile |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| forge device time vs eager | device time in forge kernels | forge kernels / regions "
+             "| first call s: forge / compile / max-autotune |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         cs = r.get("contestants", {})
         if not cs:
-            lines.append(f"| {r['model']} | failed: {r.get('error')} |||||||")
+            lines.append(f"| {r['model']} | failed: {r.get('error')} ||||||||")
             continue
         e, f = cs.get("eager", {}), cs.get("forge", {})
         dev = r.get("device")
         dv = f"{dev['eager_ms']:.2f} → {dev['forge_ms']:.2f} ms ({dev['speedup']:.2f}x)" if dev else "—"
+        share = f"{dev['forge_kernel_share']:.1%}" if dev and dev.get("forge_kernel_share") is not None else "—"
         kr = f"{f.get('kernels')} / {f.get('regions')}" if "kernels" in f else "—"
-        fc = f"{f.get('first_call_s', '—')} / {cs.get('compile', {}).get('first_call_s', '—')}"
-        peers = " | ".join(_c(cs.get(m)) for m in ("compile", "max-autotune", "liger"))
+        fc = " / ".join(str(cs.get(m, {}).get("first_call_s", "—")) for m in ("forge", "compile", "max-autotune"))
+        peers = " | ".join(_c(cs.get(m)) for m in ("compile", "max-autotune"))
         lines.append(f"| {r.get('label', r['model'])} | {e.get('ms_per_forward', 0):.2f} | {_c(f)} | {peers} "
-                     f"| {dv} | {kr} | {fc} |")
+                     f"| {_liger(r)} | {dv} | {share} | {kr} | {fc} |")
     if d.get("note"):
         lines += ["", d["note"]]
     return "\n".join(lines)
