@@ -51,7 +51,7 @@ class RegionExplanation:
     graph: int
     node: str
     op: str
-    uses: str  # "kernel" | "eager"
+    uses: str  # "kernel" | "torch" (torch's fused op, a cached "torch" decision) | "eager"
     reason: str
     shape: tuple | None = None
     dtype: str | None = None
@@ -76,20 +76,28 @@ class ModelExplanation:
         return sum(r.uses == "kernel" for r in self.regions)
 
     @property
+    def torch_ops(self) -> int:
+        """Regions whose cached decision is torch's fused op (run in place of the code as written)."""
+        return sum(r.uses == "torch" for r in self.regions)
+
+    @property
     def uses(self) -> str:
-        return "regions" if self.kernels else "eager"
+        return "regions" if self.kernels or self.torch_ops else "eager"
+
+    def _counts(self) -> str:
+        torch_ops = f", {self.torch_ops} torch's fused op" if self.torch_ops else ""
+        return (f"{self.kernels} of {len(self.regions)} region(s) in {self.graphs} graph(s) run forge kernels"
+                f"{torch_ops}")
 
     @property
     def reason(self) -> str:
-        head = (f"{self.kernels} of {len(self.regions)} region(s) in {self.graphs} graph(s) run forge kernels; "
-                f"{len(self.unmatched)} call(s) match no op family")
+        head = f"{self._counts()}; {len(self.unmatched)} call(s) match no op family"
         if not self.regions:
             return head
         return head + ": " + "; ".join(f"{r.op} {r.node}: {r.uses} ({r.reason})" for r in self.regions)
 
     def __str__(self) -> str:
-        lines = [f"forge backend: {self.kernels} of {len(self.regions)} region(s) in {self.graphs} graph(s) "
-                 "run forge kernels"]
+        lines = [f"forge backend: {self._counts()}"]
         lines += [f"  {r}" for r in self.regions]
         if self.unmatched:
             lines.append(f"  {len(self.unmatched)} call(s) match no op family: "
@@ -134,7 +142,8 @@ class Backend:
         such launches to the Python range around them)."""
         names = set()
         for call in self.kernel_calls:
-            for obj in vars(getattr(call.binding, "module", None) or object()).values():
+            module = getattr(call.binding, "module", None)  # None: torch's fused op (a "torch" decision)
+            for obj in (vars(module).values() if module is not None else ()):
                 if type(obj).__name__ == "JITFunction":
                     names.add(obj.fn.__name__)
         return frozenset(names)

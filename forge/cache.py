@@ -27,9 +27,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+# 2: decision may be "torch" (issue 14). A version-1 file is read as it is and migrated on the first write
+# (_migrate: SQLite cannot alter a CHECK constraint, so the table is rebuilt in one transaction).
+SCHEMA_VERSION = 2
 
-DECISIONS = ("kernel", "eager")
+DECISIONS = ("kernel", "torch", "eager")
+# Decisions that replace the user's code with something measured faster: a forge kernel (its source is in the
+# entry) or torch's fused op for the spec (forge/fused.py; no source). Both carry winner quantiles.
+WINNING = ("kernel", "torch")
 
 # Shortest prefix `find`/`delete` accept: shorter ones are too likely to match by accident.
 MIN_PREFIX = 4
@@ -75,7 +80,7 @@ class Entry:
     op: str
     spec: dict  # KernelSpec.to_dict()
     env: dict  # environment fingerprint; has at least "backend"
-    decision: str  # "kernel" or "eager"
+    decision: str  # "kernel", "torch" (torch's fused op, forge/fused.py) or "eager"
     variant: str | None
     params: dict | None
     source: str | None  # rendered Triton source of the winner (None for eager)
@@ -112,7 +117,7 @@ _SCHEMA = (
         op             TEXT NOT NULL,
         spec           TEXT,
         env            TEXT,
-        decision       TEXT NOT NULL CHECK (decision IN ('kernel', 'eager')),
+        decision       TEXT NOT NULL CHECK (decision IN ('kernel', 'torch', 'eager')),
         variant        TEXT,
         params         TEXT,
         source         TEXT,
@@ -230,6 +235,8 @@ def _check_entry(entry: Entry) -> None:
         raise ValueError(f"decision must be one of {DECISIONS}, got {entry.decision!r}")
     if entry.decision == "kernel" and entry.source is None:
         raise ValueError(f"entry {entry.key} decides 'kernel' but has no source")
+    if entry.decision != "kernel" and entry.source is not None:
+        raise ValueError(f"entry {entry.key} decides {entry.decision!r} but has a kernel source")
     if entry.source is not None:
         digest = hashlib.sha256(entry.source.encode()).hexdigest()
         if entry.source_sha256 != digest:
@@ -258,6 +265,7 @@ class Cache:
         self._busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
         self._read_only = read_only
+        self._version = SCHEMA_VERSION  # the open file's schema version (_check_schema)
         # The connection in use: read-only until the first write, then read-write. None while the file
         # does not exist or holds no tables yet (reads find nothing).
         self._conn: sqlite3.Connection | None = None
@@ -326,10 +334,11 @@ class Cache:
                 f"forge cache {self.path} has schema version {version}, newer than this forge supports "
                 f"({SCHEMA_VERSION}); upgrade forge, or {_move_aside(self.path)}"
             )
-        if version < SCHEMA_VERSION:  # no older version has ever shipped; migrations will go here
+        if version < 1:
             raise CacheError(
                 f"forge cache {self.path} has unknown schema version {version}; {_move_aside(self.path)}"
             )
+        self._version = version  # older ones read as they are (same columns); migrated on the first write
         return True
 
     def _open_for_writing(self) -> sqlite3.Connection:
@@ -388,6 +397,22 @@ class Cache:
             for statement in _SCHEMA:
                 conn.execute(statement)
             conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+        elif self._version < SCHEMA_VERSION:
+            self._migrate(conn, self._version)
+
+    def _migrate(self, conn: sqlite3.Connection, version: int) -> None:
+        """Inside the write transaction: bring a version-`version` file to SCHEMA_VERSION, every entry kept.
+        1 -> 2: the entries table is rebuilt with the CHECK that admits decision "torch"."""
+        if version == 1:
+            conn.execute("ALTER TABLE entries RENAME TO entries_v1")
+            conn.execute("DROP INDEX IF EXISTS entries_op")
+            for statement in _SCHEMA[1:]:
+                conn.execute(statement)
+            cols = ", ".join(_COLUMNS)
+            conn.execute(f"INSERT INTO entries ({cols}) SELECT {cols} FROM entries_v1")
+            conn.execute("DROP TABLE entries_v1")
+        conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+        self._version = SCHEMA_VERSION
 
     @contextlib.contextmanager
     def _use(self, write: bool = False) -> Iterator[sqlite3.Connection | None]:

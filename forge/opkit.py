@@ -241,12 +241,49 @@ MAX_LOOP_ELEMS_PER_THREAD = 32
 
 
 def rows_cols(spec) -> tuple[int, int]:
+    """(rows, columns) of the [M, N] view a row kernel runs on. A spec normalizing over several trailing
+    dims (attribute "dims" = k, e.g. nn.LayerNorm((C, H, W))) is a row op over their product: its rows
+    are contiguous, so the kernels are the last-dim ones on x.reshape(-1, prod(shape[-k:]))."""
     shape = spec.inputs[0].shape
-    n = shape[-1]
+    k = int(getattr(spec, "attrs", {}).get("dims", 1))
+    n = 1
+    for s in shape[len(shape) - k:]:
+        n *= s
     m = 1
-    for s in shape[:-1]:
+    for s in shape[:len(shape) - k]:
         m *= s
     return m, n
+
+
+def trailing_shape(shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
+    """The shape of a row op's weight: the normalized trailing dims (attribute "dims", default 1), or for
+    a reduction over one non-last dim (attribute "dim" = d < -1) that dim's size followed by ones, so it
+    broadcasts against x exactly as the user's w.view(1, C, 1, 1) does (C at dim d)."""
+    dim = int(attrs.get("dim", -1))
+    if dim != -1:
+        return (shape[dim], *(1,) * (-dim - 1))
+    k = int(attrs.get("dims", 1))
+    return tuple(shape[len(shape) - k:])
+
+
+def outer_r_inner(shape: tuple[int, ...], dim: int) -> tuple[int, int, int]:
+    """(outer, R, inner) of a reduction over dim `dim` (negative) of a contiguous tensor: R values at
+    stride `inner`, for each of outer x inner positions."""
+    outer = inner = 1
+    for s in shape[:len(shape) + dim]:
+        outer *= s
+    for s in shape[len(shape) + dim + 1:]:
+        inner *= s
+    return outer, shape[dim], inner
+
+
+def normalize_dim(dim: Any, ndim: int, what: str) -> int:
+    """One dim as a negative index (the spec's form, so dim=1 and dim=-3 of a 4-D tensor are one key)."""
+    if isinstance(dim, list | tuple) and len(dim) == 1:
+        dim = dim[0]
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"{what}: dim={dim!r} is not one dimension of a {ndim}-d tensor")
+    return dim - ndim if dim >= 0 else dim
 
 
 def row_space(spec) -> Space:
@@ -453,6 +490,19 @@ def tensors_nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def float64_oracle(reference, inputs, attrs, chunk: str | None = None):
+    """The contract's default oracle (forge/ops.py): `reference` on float64 copies of the floating-point
+    inputs (the others, e.g. int64 class indices, are passed as they are). chunk (the op's ORACLE_CHUNK):
+    evaluated chunk by chunk (oracle_in_chunks), so that only the float64 result is whole. In the kit so
+    that an op's own oracle can use it on a reshaped view (rmsnorm, layer_norm over several dims)."""
+    def in_float64(part):
+        return reference(tuple(t.double() if t.is_floating_point() else t for t in part), attrs)
+
+    if chunk is None:
+        return in_float64(inputs)
+    return oracle_in_chunks(in_float64, inputs, chunk)
+
+
 def oracle_in_chunks(fn: Callable, inputs, how: str, budget: int | None = None):
     """fn(inputs) (a reference in float64), evaluated chunk by chunk as `how` says and assembled into one
     tensor; equal to fn(inputs) up to float64 rounding (exactly fn(inputs) when one chunk holds it all).
@@ -526,3 +576,230 @@ def _matmul_chunks(fn: Callable, inputs, budget: int):
                 result[i, m0:m0 + mb, n0:n0 + nb] = part
                 del part
     return result.reshape(*batch, m, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiled GEMMs (matmul, linear, swiglu) share one search space: BLOCK_M x BLOCK_N output tiles looping
+# over K in BLOCK_K steps ("tiled", programs in groups of GROUP_M tile rows) and split-K ("splitk",
+# SPLIT_K programs per tile reducing slices of K into an fp32 workspace). The GPU grids and the rules
+# were chosen on the H200 for matmul (kernels/matmul.py says why); linear and swiglu run the same main
+# loop with an epilogue, so they take the same points.
+GEMM_GPU_GRID = {
+    "tiled": {"BLOCK_M": [16, 32, 64, 128, 256], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [32, 64, 128],
+              "GROUP_M": [1, 8], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5]},
+    "splitk": {"BLOCK_M": [16, 32, 64], "BLOCK_N": [32, 64, 128], "BLOCK_K": [32, 64, 128, 256],
+               "SPLIT_K": [2, 4, 8, 16, 32], "num_warps": [2, 4, 8], "num_stages": [2, 3, 4]},
+}
+# The interpreter: small blocks (it is slow at tl.dot), and no pipelining (num_stages means nothing).
+GEMM_CPU_GRID = {
+    "tiled": {"BLOCK_M": [16, 32], "BLOCK_N": [16, 32], "BLOCK_K": [16, 32], "GROUP_M": [1, 2],
+              "num_warps": [4], "num_stages": [1]},
+    "splitk": {"BLOCK_M": [16], "BLOCK_N": [16, 32], "BLOCK_K": [16, 32], "SPLIT_K": [2, 4],
+               "num_warps": [4], "num_stages": [1]},
+}
+# fp32 accumulator values per thread: above 128 (of 255 registers) the A/B fragments and addresses
+# no longer fit and the kernel spills; below 4 a warp covers less than one MMA instruction's tile.
+GEMM_MAX_ACC_PER_THREAD = 128
+GEMM_MIN_ACC_PER_THREAD = 4
+# tl.dot needs every block dimension >= 16.
+GEMM_MIN_BLOCK = 16
+
+
+def gemm_cover(n: int, smallest: int) -> int:
+    """The largest block worth trying for a dimension of size n: one block covers it."""
+    return max(smallest, next_pow2(n))
+
+
+def gemm_space(dims: tuple[int, int, int, int], device: str, dtype: str, variants=("tiled", "splitk"),
+               b_operands: int = 1) -> Space:
+    """The GEMM space of a (Bt, M, N, K) problem. b_operands: weight tiles loaded per K step (and fp32
+    accumulators held) per program: 1 for a GEMM, 2 for swiglu's gate and up weights."""
+    from forge.spec import ITEMSIZE
+
+    bt, m, n, k = dims
+    on_gpu = device == "cuda"
+    grid = {v: (GEMM_GPU_GRID if on_gpu else GEMM_CPU_GRID)[v] for v in variants}
+    itemsize = ITEMSIZE[dtype]
+
+    def valid(c: Candidate) -> bool:
+        p = c.p
+        bm, bn, bk, warps, stages = p["BLOCK_M"], p["BLOCK_N"], p["BLOCK_K"], p["num_warps"], p["num_stages"]
+        g = grid[c.variant]
+        # Blocks larger than one that covers the dimension only add masked work.
+        if (bm > gemm_cover(m, g["BLOCK_M"][0]) or bn > gemm_cover(n, g["BLOCK_N"][0])
+                or bk > gemm_cover(k, g["BLOCK_K"][0])):
+            return False
+        if min(bm, bn, bk) < GEMM_MIN_BLOCK:
+            return False
+        if (bm * bk + b_operands * bk * bn) * itemsize * stages > hardware.SMEM_PER_PROGRAM:
+            return False
+        if on_gpu:
+            acc = b_operands * bm * bn / (32 * warps)
+            if not GEMM_MIN_ACC_PER_THREAD <= acc <= GEMM_MAX_ACC_PER_THREAD:
+                return False
+            # fp32 uses FMA dots ("ieee"), whose operand slices live in registers: keep them small.
+            if dtype == "float32" and (bk > 64 or acc > 64):
+                return False
+        elif stages != 1:
+            return False
+        k_blocks = -(-k // bk)
+        tiles = bt * -(-m // bm) * -(-n // bn)
+        if on_gpu and stages > 2 and stages > k_blocks:  # more stages than K steps buffer nothing
+            return False
+        if c.variant == "tiled":
+            # Grouping only reorders programs when there are several tile rows and columns.
+            return p["GROUP_M"] == 1 or (-(-m // bm) > 1 and -(-n // bn) > 1)
+        split = p["SPLIT_K"]
+        per_split = -(-k_blocks // split)
+        if -(-k_blocks // per_split) != split:  # some splits would get no K at all
+            return False
+        # Splitting pays only when the tiles alone leave SMs idle; more than ~4 waves of split
+        # programs only adds workspace traffic (SPLIT_K x the fp32 output, written and read back).
+        return not on_gpu or (tiles < hardware.GPU_SMS and tiles * split <= 4 * hardware.GPU_SMS)
+
+    return Space(variants={v: dict(g) for v, g in grid.items()}, valid=valid)
+
+
+def gemm_default(dims: tuple[int, int, int, int], device: str, dtype: str, sp: Space) -> Candidate:
+    """An untuned but sensible GEMM point of `sp`: split-K when the output is a handful of tiles and K
+    is long (decode) and sp has it, else 128x128 tiles (smaller for small M/N) with BLOCK_K 64 (32 for
+    fp32), 3 stages; on the interpreter one tile of at most 32 in each dim."""
+    bt, m, n, k = dims
+    if device != "cuda":
+        def fit(d: int) -> int:
+            return min(32, gemm_cover(d, 16))
+        cand = Candidate.make("tiled", BLOCK_M=fit(m), BLOCK_N=fit(n), BLOCK_K=fit(k), GROUP_M=1,
+                              num_warps=4, num_stages=1)
+        return cand if cand in sp else sp.points("tiled")[0]
+    fp32 = dtype == "float32"
+    bm = min(128, gemm_cover(m, 16))
+    bn = min(128, gemm_cover(n, 32))
+    tiles = bt * -(-m // bm) * -(-n // bn)
+    if "splitk" in sp.variants and tiles < hardware.GPU_SMS // 2 and k >= 1024:
+        bm_s, bn_s, bk_s = min(64, gemm_cover(m, 16)), 64, 64 if fp32 else 128
+        split_tiles = bt * -(-m // bm_s) * -(-n // bn_s)
+        for split in (32, 16, 8, 4, 2):
+            cand = Candidate.make("splitk", BLOCK_M=bm_s, BLOCK_N=bn_s, BLOCK_K=bk_s, SPLIT_K=split,
+                                  num_warps=4, num_stages=3)
+            if split_tiles * split <= 2 * hardware.GPU_SMS and cand in sp:
+                return cand
+    bk = 32 if fp32 else 64
+    for warps in (8, 4):
+        for stages in (3, 2):
+            cand = Candidate.make("tiled", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, gemm_cover(k, 32)),
+                                  GROUP_M=8 if -(-m // bm) > 1 and -(-n // bn) > 1 else 1,
+                                  num_warps=warps, num_stages=stages)
+            if cand in sp:
+                return cand
+    points = sp.points("tiled")
+    return points[0] if points else next(sp.all_points())
+
+
+# The K that a GEMM's tolerance(dtype) assumes when it is not told K (forge/tuner/validate.py passes only
+# the dtype): the bound then holds for K <= 65536. A larger K can make a correct kernel fail validation,
+# which only means eager is used; see the families' tolerance_for(spec).
+GEMM_K_ASSUMED = 65536
+
+
+def gemm_tolerance(dtype: str, k: int) -> Tolerance:
+    """Tolerance for an output of scale ~1 after a K-long fp32 accumulation.
+
+    fp32 accumulation in a different order than the oracle's float64 adds an error of RMS ~
+    2^-24 * sqrt(K/2) per output (a random walk over K roundings of partial sums of size <= 1).
+    Added to the norm bound (x4) and as an absolute floor (x8, covering the largest of millions of
+    elements) for elements that cancel to ~0, where no relative bound can hold."""
+    import math
+
+    acc = 2.0 ** -24 * math.sqrt(max(int(k), 1))
+    base = ROW_TOLERANCE[dtype]  # the output's rounding and the fp32 ops around it, as for row ops
+    return Tolerance(rel_norm=base.rel_norm + 4 * acc, atol=base.atol + 8 * acc, rtol=base.rtol)
+
+
+def oracle_in_row_col_blocks(fn: Callable, m: int, n: int, k: int, nbytes: int, budget: int | None = None):
+    """fn(r0, r1, c0, c1) (a float64 (r1-r0) x (c1-c0) block of an M x N GEMM-shaped result whose
+    inputs are sliced by the caller: rows of x, columns of the weights), assembled into one (M, N)
+    tensor, blocks sized so that one block's float64 working set (its x rows, weight columns, result,
+    a few epilogue temporaries) stays within the budget (oracle_budget of `nbytes`, the inputs' bytes).
+    The K reduction is never split. One block when it all fits: exactly fn(0, M, 0, N)."""
+    budget = oracle_budget(nbytes) if budget is None else budget
+    elems = max(1, budget // 8)
+    if m * k + 2 * k * n + ORACLE_LIVE_COPIES * m * n <= elems:
+        return fn(0, m, 0, n)
+    nb = n if 2 * k * n <= elems // 2 else max(1, (elems // 2) // (2 * k))
+    mb = max(1, min(m, (elems - 2 * k * nb) // (k + ORACLE_LIVE_COPIES * nb)))
+    result = None
+    for c0 in range(0, n, nb):
+        for r0 in range(0, m, mb):
+            part = fn(r0, min(m, r0 + mb), c0, min(n, c0 + nb))
+            if result is None:
+                result = part.new_empty((m, n))
+            result[r0:r0 + mb, c0:c0 + nb] = part
+            del part
+    return result
+
+
+def distribution_rms(distribution: str, dtype: str) -> float:
+    """The root mean square of random_tensor's elements under each distribution (its scale factors: large
+    x1e3 (fp16) or x1e5; tiny x1e-4; outliers: N(0, 1) with 0.2% of elements set to ±1e3 (fp16) or ±1e4,
+    so E[a^2] = 1 + 2e-3 * big^2). GEMM families scale their weights by its reciprocal (matmul's
+    make_inputs says why)."""
+    import math
+
+    if distribution == "large":
+        return 1e3 if dtype == "float16" else 1e5
+    if distribution == "tiny":
+        return 1e-4
+    if distribution == "outliers":
+        big = 1e3 if dtype == "float16" else 1e4
+        return math.sqrt(1.0 + 2e-3 * big * big)
+    return 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Row ops over one dim that is not the last (rmsnorm over C of NCHW, x.sum(1)): a contiguous x is an
+# (outer, R, inner) problem, the R values to reduce `inner` elements apart. One structural variant:
+#   strided  - a program per (outer index, tile of BLOCK_I inner positions), looping over R in blocks
+#              of BLOCK_R; a [BLOCK_R, BLOCK_I] tile's rows are BLOCK_I contiguous elements, so loads
+#              stay coalesced along inner while the reduction runs down the tile's columns.
+STRIDED_VARIANT = "strided"
+# fp32 values of one tile per thread: the accumulator plus the loaded tile, as the looped row variants.
+MAX_STRIDED_ELEMS_PER_THREAD = 32
+
+
+def strided_space(spec, dim: int) -> Space:
+    _, r, inner = outer_r_inner(spec.inputs[0].shape, dim)
+    bi_max, br_max = next_pow2(inner), next_pow2(r)
+
+    def valid(c: Candidate) -> bool:
+        p = c.p
+        per_thread = p["BLOCK_R"] * p["BLOCK_I"] / (32 * p["num_warps"])
+        return per_thread <= MAX_STRIDED_ELEMS_PER_THREAD and (p["num_warps"] == 1 or per_thread >= 1)
+
+    # Blocks wider than the problem only mask lanes: capped at its next power of two (the grid shrinks
+    # to those few distinct values on small dims).
+    return Space(
+        variants={STRIDED_VARIANT: {
+            "BLOCK_I": sorted({min(bi_max, b) for b in (16, 32, 64, 128, 256)}),
+            "BLOCK_R": sorted({min(br_max, b) for b in (1, 4, 8, 16, 32, 64)}),
+            "num_warps": [1, 2, 4, 8],
+        }},
+        valid=valid,
+    )
+
+
+def strided_default(spec, dim: int) -> Candidate:
+    """Untuned but sensible: 64 inner positions (coalesced 128-256 byte rows) x 16 reduced values, 4 warps
+    (8 values per thread), shrunk to the problem."""
+    _, r, inner = outer_r_inner(spec.inputs[0].shape, dim)
+    bi, br = min(64, next_pow2(inner)), min(16, next_pow2(r))
+    warps = max(1, min(4, bi * br // 256))
+    return Candidate.make(STRIDED_VARIANT, BLOCK_I=bi, BLOCK_R=br, num_warps=warps)
+
+
+def strided_render_context(spec, cand: Candidate, op: str) -> dict[str, Any]:
+    ctx = dict(cand.p)
+    # The interpreter cannot take a runtime loop bound (row_render_context says why): R as a constexpr.
+    ctx["N_CONSTEXPR"] = spec.device != "cuda"
+    ctx["kernel_name"] = f"forge_{op}_{cand.variant}"
+    ctx["variant"] = cand.variant
+    return ctx

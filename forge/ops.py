@@ -42,7 +42,11 @@ _PKG = Path(__file__).resolve().parent
 # Optional, with a default: _load installs the default on the module object when the op file does not
 # define the name, so every caller reads op.module.<name> alike; an op file's own definition wins.
 #   fill_missing(inputs) -> tuple           inputs the user's code left out, filled in (rmsnorm's weight of
-#                                           ones); default: none left out, tuple(inputs)
+#                                           ones); default: none left out, tuple(inputs). An op that sets
+#                                           FILL_MISSING_ATTRS = True is called fill_missing(inputs, attrs)
+#                                           with the matcher's attrs (fill_inputs below): the shape of what it
+#                                           fills in, or of the weight it reshapes, depends on them (rmsnorm
+#                                           over dim=1 of NCHW: a weight of shape (C, 1, 1))
 #   oracle(inputs, attrs)                   the correctness reference; default: reference() run on float64
 #                                           copies of the floating-point inputs (integer inputs, such as
 #                                           class indices, as they are), chunk by chunk as ORACLE_CHUNK says.
@@ -63,6 +67,8 @@ _PKG = Path(__file__).resolve().parent
 #
 # Optional hooks, used where present:
 #   match(expr) -> ([input index or None, ...], attrs) | None   recognise the op in a trace (forge/trace.py forms)
+#   GENERIC = True                           the matcher overlaps specific families' (pointwise: any elementwise
+#                                            chain): tried after every other family (match_order)
 #   problem(inputs, attrs) -> shape          the spec's problem shape when it is not inputs[0].shape (matmul
 #                                            (M, N, K)); raises ValueError for layouts it does not take; may
 #                                            complete `attrs` in place with what only the tensors show (sdpa's
@@ -71,12 +77,22 @@ _PKG = Path(__file__).resolve().parent
 #   problem_shape(spec) -> shape             the request shape make_spec rebuilds `spec` from, when it is not
 #                                            inputs[0].shape (matmul, sdpa); forge.search(KernelSpec) uses it
 #   TEST_SHAPES, MID_SHAPE, test_candidates(spec)   what tests/test_templates.py runs for this op
+#   OPTIONAL_ATTRS = ("form", ...)          attributes a spec may carry beyond DEFAULT_ATTRS, absent by default (so
+#                                            the keys of specs without them never change): "form" is the
+#                                            spelling the matcher saw when it changes what the user's code runs
+#                                            (gelu's written-out formula, F.rms_norm, a * sigmoid(a) * b); the
+#                                            reference follows it, torch's fused op (forge/fused.py) competes
 #   STRIDED_INPUTS = (0, ...)                the inputs the op's kernels take in a strided layout (last dim
 #                                            contiguous, any outer strides: opkit.check_layout); run() must
 #                                            handle them and alloc_output() return a contiguous output.
 #                                            Absent: every input contiguous.
 #   STRIDED_ANY_ORDER = True                 those inputs may be in any order of strides, the last dim too
 #                                            (matmul's x @ w.t()), not only with the last dim contiguous
+#   strided_problem(spec) -> str | None      why this spec (built without the layout) takes no strided
+#                                            layout, e.g. a reduction over a non-last dim; None: it does
+#   VARIANT_ATTRS = {variant: attrs}         a variant that is only in the space of specs with some attributes
+#                                            (the "strided" variants: a non-last dim); tests/test_templates.py
+#                                            and tests/test_golden.py render and run it under these
 #
 # The attribute "strides" (opkit.STRIDES) is forge's, not the op's: _load wraps make_spec so that it is
 # taken out before the op's make_spec sees the attributes and applied to the spec's TensorSpecs after
@@ -91,21 +107,21 @@ def default_fill_missing(inputs) -> tuple:
     return tuple(inputs)
 
 
+def fill_inputs(mod: ModuleType, picked, attrs: dict) -> tuple:
+    """mod.fill_missing on the matcher's picks, given the matcher's attrs where the op asks for them
+    (FILL_MISSING_ATTRS); the shim and forge/regions.py call this, never fill_missing directly."""
+    if getattr(mod, "FILL_MISSING_ATTRS", False):
+        return tuple(mod.fill_missing(picked, attrs))
+    return tuple(mod.fill_missing(picked))
+
+
 def default_tolerance(dtype: str) -> opkit.Tolerance:
     """The contract's default tolerance: the row ops' bounds."""
     return opkit.ROW_TOLERANCE[dtype]
 
 
-def default_oracle(reference: Callable, inputs, attrs, chunk: str | None = None):
-    """The contract's default oracle: `reference` on float64 copies of the floating-point inputs (the
-    others, e.g. int64 class indices, are passed as they are). chunk (the op's ORACLE_CHUNK): evaluated
-    chunk by chunk (opkit.oracle_in_chunks), so that only the float64 result is whole."""
-    def in_float64(part):
-        return reference(tuple(t.double() if t.is_floating_point() else t for t in part), attrs)
-
-    if chunk is None:
-        return in_float64(inputs)
-    return opkit.oracle_in_chunks(in_float64, inputs, chunk)
+# The contract's default oracle; the kit owns it (an op's own oracle may call it on a reshaped view).
+default_oracle = opkit.float64_oracle
 
 
 def _bound_oracle(mod: ModuleType) -> Callable:
@@ -240,6 +256,8 @@ def _install_strides(mod: ModuleType) -> None:
         spec = raw_spec(shape, dtype, device, attrs)
         if text is None:
             return spec
+        problem = getattr(mod, "strided_problem", None)
+        why = problem(spec) if problem is not None else None
         layouts = opkit.parse_strides(text, [t.shape for t in spec.inputs], strided, any_order)
         # A layout that addresses the tensor as contiguous strides do (a size-1 dim's stride never
         # matters) keeps the canonical strides: one spec, one key, one set of test inputs.
@@ -248,6 +266,8 @@ def _install_strides(mod: ModuleType) -> None:
         canonical = opkit.strides_text([(t.shape, t.strides) for t in inputs])
         if canonical is None:
             return spec
+        if why is not None:
+            raise ValueError(why)
         return dataclasses.replace(spec, inputs=inputs, attrs={**spec.attrs, opkit.STRIDES: canonical})
 
     @functools.wraps(raw_inputs)
@@ -282,6 +302,19 @@ def available() -> dict[str, tuple[Path, Path]]:
             if not p.name.startswith("_"):
                 found.setdefault(p.stem, (p.resolve(), tdir.resolve()))
     return found
+
+
+def is_generic(op: OpFamily) -> bool:
+    """The op declares GENERIC = True: it matches what many specific families also match (pointwise: any
+    elementwise chain), so it is tried after them."""
+    return bool(getattr(op.module, "GENERIC", False))
+
+
+def match_order() -> list[OpFamily]:
+    """Every available family in the order matchers are tried (the shim, forge/regions.py): by name,
+    the GENERIC ones last, so that gelu, silu_mul, ... win wherever they match too."""
+    families = [get(name) for name in sorted(available())]
+    return [f for f in families if not is_generic(f)] + [f for f in families if is_generic(f)]
 
 
 def get(name: str) -> OpFamily:

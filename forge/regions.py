@@ -2,12 +2,16 @@
 
 Walking the graph from the output backwards, at each not-yet-covered call node the largest region
 rooted there is tried first: (1) everything down to the graph's inputs (module parameters are
-inputs), then (2) cut at values used more than once (x in x * rsqrt(mean(x*x))), then (3) also cut
+inputs), then (1b) cut at values used more than once and at the operands of every linear / addmm, but
+not at a GEMM's result (a GEMM and its epilogue, gelu_new(x @ W + b) + r, are one region), then (2)
+cut at values used more than once (x in x * rsqrt(mean(x*x))), then (3) also cut
 at values no matcher looks into (linear / addmm / matmul / sdpa outputs, layout: view, permute,
 expand, contiguous; casts; opaque calls), then (4) only the node itself with its direct inputs as
 leaves (gelu(layer_norm(x)) is two regions). A cut never stops at an exact widening cast (x.float()
 of a half x): the region takes x, so a float32 computation rounded once to x's dtype matches as the
-op on x (forge/trace.py, exact numerics). The first match wins and its nodes are covered. Calls left
+op on x (forge/trace.py, exact numerics). The first match wins and its nodes are covered; the generic
+pointwise family is tried after the specific ones (ops.match_order), and at (3) they also cut at the
+elementwise calls only it reads (trace.ELEMENTWISE_HEADS: opaque to them, as before it existed). Calls left
 uncovered are reported with why nothing matched. A matched region whose inputs the op's kernel
 cannot take (a layout, e.g. HF's transposed q/k/v or (B, 1, S, D) cos/sin; a dtype) is listed with
 the reason.
@@ -95,15 +99,42 @@ def _through_upcasts(graph, nodes) -> frozenset:
     return frozenset(out)
 
 
+def _gemm_cuts(graph, calls, heads) -> tuple[frozenset, frozenset]:
+    """(the operands of every linear / addmm, their results): cut at the first and not at the second, a
+    GEMM and the epilogue after it are one region whose leaves are the GEMM's operands, even where an
+    operand is computed once for it (gelu(linear(h)), h single-use) or the result is read several times
+    by its epilogue (GPT-2's gelu_new reads x three times). Conv1D flattens x for addmm and views the
+    result back to x's rows: there the cut is at x itself and the result is the view, so the region's
+    input and output keep x's leading dims."""
+    gemms = [n for n in calls if heads.get(n) in ("linear", "addmm")]
+    ins, outs = set(), set(gemms)
+    for g in gemms:
+        views_back = [u for u in g.users if heads.get(u) == "view"]
+        outs.update(views_back)
+        for a in g.all_input_nodes:
+            src = a.args[0] if a.args else None
+            if (heads.get(a) == "view" and isinstance(src, type(a)) and src in graph.values
+                    and len(views_back) == len(g.users) == 1):
+                sv, av, ov = graph.values[src], graph.values[a], graph.values[views_back[0]]
+                if (getattr(sv, "ndim", 0) > 2 and sv.shape[-1] == av.shape[-1]
+                        and tuple(ov.shape[:-1]) == tuple(sv.shape[:-1])):
+                    ins.add(src)  # Conv1D: addmm(b, x.view(-1, K), w).view(*x.shape[:-1], N)
+                    continue
+            ins.add(a)
+    return frozenset(ins), frozenset(outs)
+
+
 def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = None
                  ) -> tuple[list[Region], list[Unmatched]]:
     """Regions and unmatched calls of one graph. names: {id(tensor): qualified name} of the target's
     parameters and buffers (Dynamo passes them as graph inputs), for Region.inputs."""
     import torch
 
-    from forge.trace import BOUNDARY_HEADS, describe
+    from forge.trace import BOUNDARY_HEADS, ELEMENTWISE_HEADS, describe
 
-    families = [ops.get(name) for name in sorted(ops.available())]
+    families = ops.match_order()
+    generic = [f for f in families if ops.is_generic(f)]
+    specific = [f for f in families if not ops.is_generic(f)]
     calls = _call_nodes(graph)
     covered: set = set()
     regions: list[Region] = []
@@ -113,18 +144,26 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
     boundary = frozenset(n for n in calls if heads.get(n) in BOUNDARY_HEADS)
     cut_multi = _through_upcasts(graph, multi)
     cut_bound = _through_upcasts(graph, multi | boundary)
+    # Only the generic pointwise family reads ELEMENTWISE_HEADS (clamp, where, ...); they were opaque before
+    # it, so every other family's regions are still cut there: what those families match is unchanged.
+    elementwise = frozenset(n for n in calls if heads.get(n) in ELEMENTWISE_HEADS)
+    cut_bound_specific = _through_upcasts(graph, multi | boundary | elementwise)
+    gemm_in, gemm_out = _gemm_cuts(graph, calls, heads)
+    cut_gemm = _through_upcasts(graph, (multi - gemm_out) | gemm_in)
     whole = graph.bounded()  # nodes whose whole tree is small enough to match with no cut
     for n in reversed(calls):
         if n in covered:
             continue
         direct = _through_upcasts(graph, {a for a in n.all_input_nodes if a.op.startswith("call_")})
-        found, tried = None, []
-        for cut in (frozenset(), cut_multi, cut_bound, direct):
-            if cut in tried or (not cut and n not in whole):
+        found, tried = None, {}  # cut -> the families tried with it
+        for cut, fams in ((frozenset(), families), (cut_gemm, families), (cut_multi, families),
+                          (cut_bound_specific, specific), (cut_bound, generic), (direct, families)):
+            fams = [f for f in fams if f.name not in tried.get(cut, ())]
+            if not fams or (not cut and n not in whole):
                 continue
-            tried.append(cut)
+            tried.setdefault(cut, set()).update(f.name for f in fams)
             traced = graph.expr(n, cut=cut, number_args=False)
-            for fam in families:
+            for fam in fams:
                 m = getattr(fam.module, "match", None)
                 if m is not None and (res := m(traced.expr)) is not None:
                     found = (fam, traced, *res)
@@ -143,7 +182,7 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
         covered.update(region.nodes)
         picked = [traced.tensors[i] if i is not None else None for i in indices]
         try:
-            inputs = fam.module.fill_missing(picked)
+            inputs = ops.fill_inputs(fam.module, picked, attrs)
             x = inputs[0]
             dtype = dtype_name(x.dtype)
             if dtype not in DTYPES:

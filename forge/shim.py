@@ -35,7 +35,7 @@ ALIGNMENT = 16  # bytes; kernels are validated on freshly allocated (>= 256-byte
 class Explanation:
     """What forge does for one call signature."""
 
-    uses: str  # "kernel" | "eager"
+    uses: str  # "kernel" | "torch" (torch's fused op, a cached "torch" decision) | "eager" | "regions"
     reason: str
     op: str | None = None
     key: str | None = None
@@ -56,6 +56,8 @@ class Explanation:
             how = f" (launch: {self.launch})" if self.launch else ""
             return (f"forge kernel {self.op}/{self.variant}({self.params}) [{self.key[:12]}]: "
                     f"{self.reason}{how}")
+        if self.uses == "torch":
+            return f"torch op for {self.op} [{self.key[:12]}]: {self.reason}"
         return f"eager: {self.reason}"
 
 
@@ -206,6 +208,26 @@ class _Binding:
                 self.launch = f"compiled ({self.plan.via})"
             except launch.Refused as exc:
                 self.launch = f"jit ({exc})"
+
+
+class _TorchCall:
+    """torch's fused op bound to one signature (a "torch" decision: the search measured it faster than the
+    user's code as written and than every kernel; forge/fused.py). Picks the op's inputs from the call's
+    tensors as _Binding does and calls torch; there is no forge kernel to launch, so no compiled plan and
+    no C++ fast path (torch's own dispatch is the call)."""
+
+    def __init__(self, fused, spec, indices: list, defaults: tuple, attrs: dict, getters=()):
+        self.fn, self.label, self.spec, self.attrs = fused.fn, fused.label, spec, attrs
+        self.slots = [(i, d if i is None else None) for i, d in zip(indices, defaults, strict=True)]
+        self.getters = tuple(getters)
+        self.plan = None
+        self.launch = f"torch op {fused.label}"
+        self.fast, self.fast_reason = "off", "a torch op (no forge kernel to launch)"
+
+    def __call__(self, tensors: list, root=None):
+        if self.getters:
+            tensors = [*tensors, *(g(root) for g in self.getters)]
+        return self.fn(tuple(tensors[i] if i is not None else d for i, d in self.slots), self.attrs)
 
 
 class Optimized:
@@ -385,7 +407,7 @@ class Optimized:
         report = _Regions(self, reason, dry_run=True).capture(args, kwargs)
         if isinstance(report, str):
             return None, Explanation("eager", f"{reason}; {report}")
-        return None, Explanation(report.uses if report.kernels else "eager", f"{reason}; under TorchDynamo: "
+        return None, Explanation(report.uses, f"{reason}; under TorchDynamo: "
                                  f"{report.reason}", model=report)
 
     def _decide(self, args, kwargs, allow_search: bool):
@@ -402,8 +424,7 @@ class Optimized:
         from forge import ops
 
         found = None
-        for name in sorted(ops.available()):
-            op = ops.get(name)
+        for op in ops.match_order():  # specific families first, the generic pointwise one last
             m = getattr(op.module, "match", None)
             if m is not None and (res := m(traced.expr)) is not None:
                 found = (op, *res)
@@ -442,7 +463,9 @@ def resolve(op, picked: list, indices: list, attrs: dict, tensors: list, *, gett
     def eager(reason: str, **kw) -> tuple[None, Explanation]:
         return None, Explanation("eager", reason, **kw)
 
-    inputs = op.module.fill_missing(picked)
+    from forge import ops
+
+    inputs = ops.fill_inputs(op.module, picked, attrs)
     x = inputs[0]
     if torch._C._is_any_autocast_enabled():
         # Under autocast eager's ops choose their own dtypes (softmax and pow in fp32, matmul in the
@@ -452,8 +475,6 @@ def resolve(op, picked: list, indices: list, attrs: dict, tensors: list, *, gett
         return eager("inputs require grad (forge kernels are forward-only)", op=op.name)
     if any(t.device != x.device for t in inputs):
         return eager("inputs are on different devices", op=op.name)
-    from forge import ops
-
     layout, why = ops.strided_attrs(op, inputs, attrs)
     if why is not None:
         return eager(why, op=op.name)
@@ -517,6 +538,8 @@ def resolve(op, picked: list, indices: list, attrs: dict, tensors: list, *, gett
     if entry.decision == "eager":
         return eager("cached decision is eager (no candidate beat eager by the required margin)",
                      op=op.name, key=key)
+    if entry.decision == "torch":
+        return _torch_decision(op, entry, loc, spec, indices, inputs, attrs, getters)
     if not keys.source_intact(entry):
         return eager("cached kernel source does not match its sha256; not loaded", op=op.name, key=key)
     if entry.env != loc.env:
@@ -530,6 +553,24 @@ def resolve(op, picked: list, indices: list, attrs: dict, tensors: list, *, gett
     why = Explanation("kernel", f"cached {entry.speedup or 0:.2f}x faster than eager", op=op.name, key=key,
                       variant=entry.variant, params=entry.params)
     return _Binding(op.module, module, spec, indices, inputs, attrs, getters, device_index), why
+
+
+def _torch_decision(op, entry, loc, spec, indices, inputs, attrs, getters) -> tuple[_TorchCall | None, Explanation]:
+    """A cached "torch" decision: torch's fused op for this spec, where this forge knows one (the entry is
+    untrusted input: a decision for an op or attributes without a torch op here runs the code as written)."""
+    from forge import fused
+
+    f = fused.candidate(op.name, spec.attrs)
+    if f is None:
+        return None, Explanation("eager", f"cached decision is a torch op, but forge knows none for {op.name} "
+                                 f"{spec.attrs} (forge/fused.py)", op=op.name, key=entry.key)
+    if entry.env != loc.env:
+        diff = keys.env_diff(entry.env, loc.env)
+        return None, Explanation("eager", f"cached entry was made for another environment ({', '.join(diff)})",
+                                 op=op.name, key=entry.key)
+    why = Explanation("torch", f"cached: torch's {f.label} {entry.speedup or 0:.2f}x faster than the code as "
+                      "written (and than every forge kernel)", op=op.name, key=entry.key, variant="torch")
+    return _TorchCall(f, spec, indices, inputs, attrs, getters), why
 
 
 class _Regions:
@@ -572,7 +613,7 @@ class _Regions:
             self.compiled = torch.compile(self.fn, backend=self.backend, dynamic=False)
             out = self.compiled(*args, **kwargs)
             report = self.backend.explain()
-            if not report.kernels:
+            if not (report.kernels or report.torch_ops):
                 why = Explanation("eager", f"{self.reason}; under TorchDynamo: {report.reason}", model=report)
                 owner._bound[sig] = (None, why)
                 if owner.warn and why.reason not in owner._warned:
@@ -629,6 +670,32 @@ def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=
     entry = db.get(loc.key)
     if entry is None:
         raise LookupError(f"{op} {shape} {dtype} on {backend} is not tuned in {db.path}: run `forge search`")
+    want = [(s.shape, s.dtype) for s in spec.inputs]
+
+    def checked(tensors) -> None:
+        # No trace to vouch for the arguments here: check them against the spec the kernel was
+        # validated for (a wrong shape would read out of bounds, not raise).
+        got = [(tuple(t.shape), dtype_name(t.dtype)) for t in tensors]
+        if got != want:
+            raise ValueError(f"forge.load({op!r}) kernel takes {want}, got {got}")
+        if any(not t.is_contiguous() or t.data_ptr() % ALIGNMENT or t.device.type != backend.replace(
+                "interpreter", "cpu") for t in tensors):
+            raise ValueError(f"forge.load({op!r}) kernel takes contiguous, {ALIGNMENT}-byte aligned "
+                             f"{spec.device} tensors")
+
+    if entry.decision == "torch":  # torch's fused op was measured fastest: that is what load returns
+        from forge import fused
+
+        f = fused.candidate(op, spec.attrs)
+        if f is None:
+            raise LookupError(f"{op} {shape} {dtype}: the cached decision is a torch op, but forge knows none "
+                              "for this spec")
+
+        def call_torch(*tensors):
+            checked(tensors)
+            return f.fn(tensors, spec.attrs)
+
+        return call_torch
     if entry.decision != "kernel":
         raise LookupError(f"{op} {shape} {dtype}: the cached decision is eager (no kernel beat it)")
     if not keys.source_intact(entry):
@@ -641,18 +708,9 @@ def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=
     module = _load_kernel(entry, db)
     binding = _Binding(fam.module, module, spec, list(range(len(spec.inputs))), (None,) * len(spec.inputs),
                        spec.attrs, device_index=device_index)
-    want = [(s.shape, s.dtype) for s in spec.inputs]
 
     def call(*tensors):
-        # No trace to vouch for the arguments here: check them against the spec the kernel was
-        # validated for (a wrong shape would read out of bounds, not raise).
-        got = [(tuple(t.shape), dtype_name(t.dtype)) for t in tensors]
-        if got != want:
-            raise ValueError(f"forge.load({op!r}) kernel takes {want}, got {got}")
-        if any(not t.is_contiguous() or t.data_ptr() % ALIGNMENT or t.device.type != backend.replace(
-                "interpreter", "cpu") for t in tensors):
-            raise ValueError(f"forge.load({op!r}) kernel takes contiguous, {ALIGNMENT}-byte aligned "
-                             f"{spec.device} tensors")
+        checked(tensors)
         return binding(list(tensors))
 
     return call

@@ -22,9 +22,22 @@ Canonical forms (every node is a tuple):
   ("sub", a, b)
   ("recip", a) ("sqrt", a) ("rsqrt", a) ("exp", a) ("neg", a) ("erf", a) ("tanh", a) ("sigmoid", a)
                           unary ops; recip(sqrt(a)) == rsqrt(a); x**2 == mul(x, x), also torch.pow(x, 3.0)
+  ("relu", a)             F.relu / torch.relu / x.relu() / nn.ReLU, not in place
+  Elementwise calls (ELEMENTWISE_HEADS: only the generic pointwise family reads them; for the other
+  families a region is still cut there, as when they were opaque). Bounds, slopes and exponents are
+  numbers (a tensor bound is opaque); in-place calls are opaque:
+  ("leaky_relu", a, ("const", slope))     F.leaky_relu, nn.LeakyReLU
+  ("hardswish", a)                        F.hardswish, nn.Hardswish
+  ("clamp", a, ("const", lo | None), ("const", hi | None))   torch.clamp / clip / x.clamp_min / clamp_max;
+                          F.hardtanh / nn.Hardtanh (lo, hi), F.relu6 / nn.ReLU6 (0, 6)
+  ("pow", a, ("const", e))  x ** e / torch.pow(x, e) for an exponent other than 2, 3, 4, 0.5, -0.5 (above)
+  ("gt", a, b) ("ge", a, b) ("eq", a, b) ("ne", a, b)   comparisons (also torch.greater ...); a < b is
+                          gt(b, a), a <= b is ge(b, a); eq and ne sort their operands
+  ("where", cond, a, b)   torch.where(cond, a, b); a, b tensors or constants
   ("mean_last", a)        mean over the last dim with keepdim=True
   ("softmax_last", a) ("log_softmax_last", a)
-  ("rms_norm", x, w | ("none",), eps)
+  ("rms_norm", x, w | ("none",), eps)        over the last dim (F.rms_norm, nn.RMSNorm)
+  ("rms_norm", x, w | ("none",), eps, k)     over the last k > 1 dims (normalized_shape of k dims)
   Calls listed in SIGNATURES, as (name, arg, arg, ...) with every parameter in declaration order
   and defaults filled in, whatever was passed positionally or by keyword (aliases fold: mm, bmm and
   @ are "matmul"; concat is "cat"; F.scaled_dot_product_attention is "sdpa"):
@@ -38,10 +51,14 @@ Canonical forms (every node is a tuple):
   ("addmm", bias, mat1, mat2, beta, alpha)   torch.addmm (GPT-2's Conv1D: weight stored (in, out))
   ("cross_entropy", input, target, weight, size_average, ignore_index, reduce, reduction,
                     label_smoothing)   also nn.CrossEntropyLoss
-  ("sum", x, dim, keepdim, dtype) ("mean", ...) ("amax", x, dim, keepdim) ("argmax", x, dim, keepdim)
-                                      a one-element dim list becomes an int for sum/mean/amax
+  ("sum", x, dim, keepdim, dtype) ("mean", ...) ("amax", x, dim, keepdim) ("amin", ...)
+  ("argmax", x, dim, keepdim) ("argmin", ...)
+                                      a one-element dim list becomes an int for sum/mean/amax/amin; dims
+                                      are negative (dim=1 of NCHW is -3, (2, 3) is (-2, -1)); a mean over
+                                      the last dim with keepdim is mean_last, over any other dim(s) this
   ("cat", (t, t, ...), dim) ("getitem", x, index) ("chunk", x, chunks, dim) ("split", x, size, dim)
-  Layout (read from the real tensors; a matcher never looks through them, so a region is cut there):
+  Layout (read from the real tensors; a matcher never looks through them, so a region is cut there; one
+  exception: rmsnorm takes a weight input's view, w.view(1, C, 1, 1), checking its shape):
   ("view", x, shape)      view, reshape, view_as, reshape_as, flatten, unflatten, unsqueeze, squeeze, and
                           indexing with only full slices / None / ...; a view of a view is one view;
                           a view to x's own shape is x
@@ -83,6 +100,10 @@ CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as"}
 # Heads no matcher looks into: a region is cut at nodes of these kinds (forge trace).
 BOUNDARY_HEADS = frozenset({"linear", "addmm", "matmul", "sdpa", "opaque", "view", "permute", "expand",
                             "contiguous", "cast"})
+# Heads only the generic pointwise family (kernels/pointwise.py) looks into. They were opaque before it
+# existed, so forge/regions.py still cuts every other family's regions there (what those families match
+# is unchanged); the pointwise family's regions run through them.
+ELEMENTWISE_HEADS = frozenset({"leaky_relu", "hardswish", "clamp", "pow", "gt", "ge", "eq", "ne", "where"})
 # Expressions larger (expanded) or deeper than this become opaque: a deep model's residual stream
 # expands exponentially, and op patterns are small and shallow.
 MAX_EXPR_NODES = 256
@@ -112,6 +133,8 @@ SIGNATURES: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
     "mean": ("mean", (("input", _REQ), ("dim", None), ("keepdim", False), ("dtype", None))),
     "amax": ("amax", (("input", _REQ), ("dim", ()), ("keepdim", False))),
     "argmax": ("argmax", (("input", _REQ), ("dim", None), ("keepdim", False))),
+    "amin": ("amin", (("input", _REQ), ("dim", ()), ("keepdim", False))),
+    "argmin": ("argmin", (("input", _REQ), ("dim", None), ("keepdim", False))),
     "cat": ("cat", (("tensors", _REQ), ("dim", 0))),
     "concat": ("cat", (("tensors", _REQ), ("dim", 0))),
     "concatenate": ("cat", (("tensors", _REQ), ("dim", 0))),
@@ -120,7 +143,7 @@ SIGNATURES: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
     "split": ("split", (("input", _REQ), ("split_size", _REQ), ("dim", 0))),
 }
 # A one-element dim list means the same as the int for these (not for argmax, which takes an int).
-_DIM_LIST_FOLDS = {"sum", "mean", "amax"}
+_DIM_LIST_FOLDS = {"sum", "mean", "amax", "amin"}
 
 
 class Untraceable(Exception):
@@ -183,6 +206,64 @@ def _recip(a: tuple) -> tuple:
     if a[0] == "recip":
         return a[1]
     return ("recip", a)
+
+
+# The ELEMENTWISE_HEADS calls: name -> ((param, default), ...), bound like SIGNATURES from canonical args.
+_EW_PARAMS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "leaky_relu": (("input", _REQ), ("negative_slope", 0.01), ("inplace", False)),
+    "hardswish": (("input", _REQ), ("inplace", False)),
+    "hardtanh": (("input", _REQ), ("min_val", -1.0), ("max_val", 1.0), ("inplace", False)),
+    "relu6": (("input", _REQ), ("inplace", False)),
+    "clamp": (("input", _REQ), ("min", None), ("max", None)),
+    "clip": (("input", _REQ), ("min", None), ("max", None)),
+    "clamp_min": (("input", _REQ), ("min", _REQ)),
+    "clamp_max": (("input", _REQ), ("max", _REQ)),
+    "where": (("condition", _REQ), ("input", _REQ), ("other", _REQ)),
+}
+_COMPARE = {"gt": ("gt", False), "lt": ("gt", True), "ge": ("ge", False), "le": ("ge", True), "eq": ("eq", False),
+            "ne": ("ne", False), "greater": ("gt", False), "less": ("gt", True), "greater_equal": ("ge", False),
+            "less_equal": ("ge", True), "not_equal": ("ne", False)}
+
+
+def _elementwise(name: str, args: list, kw: dict) -> tuple | None:
+    """The canonical form of an ELEMENTWISE_HEADS call (args, kw: canonical trees), or None."""
+    def number(t) -> bool:
+        return t[0] == "const" and isinstance(t[1], int | float) and not isinstance(t[1], bool)
+
+    if name == "pow" and len(args) == 2 and not kw and number(args[1]) and args[0][0] != "const":
+        return ("pow", args[0], args[1])
+    if name in _COMPARE and len(args) == 2 and not kw:
+        head, swap = _COMPARE[name]
+        a, b = (args[1], args[0]) if swap else (args[0], args[1])
+        return (head, *_sorted([a, b])) if head in ("eq", "ne") else (head, a, b)
+    decl = _EW_PARAMS.get(name)
+    if decl is None or len(args) > len(decl) or set(kw) - {p for p, _ in decl}:
+        return None
+    got = dict(zip([p for p, _ in decl], args, strict=False))
+    if set(got) & set(kw):
+        return None
+    got.update(kw)
+    for p, default in decl:
+        if p not in got:
+            if default is _REQ:
+                return None
+            got[p] = ("const", default)
+    if got.get("inplace", ("const", False)) != ("const", False):
+        return None  # in place: the user's tensor changes too; the kernel would not change it
+    x = got["input"]
+    if name == "where":
+        return ("where", got["condition"], x, got["other"])
+    if name == "hardswish":
+        return ("hardswish", x)
+    if name == "leaky_relu":
+        return ("leaky_relu", x, got["negative_slope"]) if number(got["negative_slope"]) else None
+    if name == "relu6":
+        return ("clamp", x, ("const", 0.0), ("const", 6.0))
+    lo = got.get("min_val", got.get("min", ("const", None)))
+    hi = got.get("max_val", got.get("max", ("const", None)))
+    if not all(number(b) or b == ("const", None) for b in (lo, hi)) or lo == hi == ("const", None):
+        return None
+    return ("clamp", x, lo, hi)
 
 
 def _last_dim(dim: Any, ndim: int) -> bool:
@@ -610,6 +691,12 @@ class TraceGraph:
                     return ("sqrt", args[0])
                 if e == -0.5:
                     return ("rsqrt", args[0])
+            if name == "relu" and args and all(a == ("const", False) for a in (*args[1:], *kw.values())) \
+                    and len(args) <= 2 and set(kw) <= {"inplace"}:
+                # F.relu(x[, inplace=False]) (F.relu passes inplace on), torch.relu, x.relu(); in place is opaque
+                return ("relu", args[0])
+            if (res := _elementwise(name, args, kw)) is not None:
+                return res
             if name in UNARY and len(args) == 1 and not kw:
                 if name == "reciprocal":
                     return _recip(args[0])
@@ -632,9 +719,12 @@ class TraceGraph:
                 shape = n.kwargs.get("normalized_shape", n.args[1] if len(n.args) > 1 else None)
                 weight = n.kwargs.get("weight", n.args[2] if len(n.args) > 2 else None)
                 eps = n.kwargs.get("eps", n.args[3] if len(n.args) > 3 else None)
-                if tuple(int(s) for s in concrete_value(shape)) == tuple(x.shape[-1:]):
+                ns = concrete_value(shape)
+                ns = (ns,) if isinstance(ns, int) else tuple(int(s) for s in ns)
+                if 1 <= len(ns) <= x.ndim and ns == tuple(x.shape[x.ndim - len(ns):]):
                     eps = torch.finfo(x.dtype).eps if eps is None else float(concrete_value(eps))
-                    return ("rms_norm", args[0], conv(weight) if weight is not None else ("none",), eps)
+                    res = ("rms_norm", args[0], conv(weight) if weight is not None else ("none",), eps)
+                    return res if len(ns) == 1 else (*res, len(ns))  # k trailing dims
             if name in SIGNATURES and (res := _generic(name, n)) is not None:
                 return res
             heads = [a[0] if a and isinstance(a[0], str) else "tuple" for a in args]
@@ -656,14 +746,24 @@ class TraceGraph:
             if kind == "LayerNorm":
                 return ("layer_norm", args[0], ("const", tuple(mod.normalized_shape)), p("weight"), p("bias"),
                         ("const", mod.eps))
-            if kind == "RMSNorm" and tuple(mod.normalized_shape) == tuple(x.shape[-1:]):
+            k = len(getattr(mod, "normalized_shape", ()))
+            if kind == "RMSNorm" and 1 <= k <= x.ndim and tuple(mod.normalized_shape) == tuple(x.shape[x.ndim - k:]):
                 eps = torch.finfo(x.dtype).eps if mod.eps is None else float(mod.eps)
                 w = p("weight")
-                return ("rms_norm", args[0], ("none",) if w == ("const", None) else w, eps)
+                res = ("rms_norm", args[0], ("none",) if w == ("const", None) else w, eps)
+                return res if k == 1 else (*res, k)  # k trailing dims
             if kind == "GELU":
                 return ("gelu", args[0], ("const", mod.approximate))
             if kind == "SiLU":
                 return ("silu", args[0], ("const", mod.inplace))
+            if kind == "ReLU" and not mod.inplace:
+                return ("relu", args[0])
+            if kind in ("LeakyReLU", "Hardswish", "Hardtanh", "ReLU6") and not getattr(mod, "inplace", False):
+                if kind == "LeakyReLU":
+                    return ("leaky_relu", args[0], ("const", mod.negative_slope))
+                if kind == "Hardswish":
+                    return ("hardswish", args[0])
+                return ("clamp", args[0], ("const", mod.min_val), ("const", mod.max_val))  # ReLU6: 0, 6
             if kind == "Linear":
                 return ("linear", args[0], p("weight"), p("bias"))
             if kind in ("Dropout", "Identity") and not mod.training:

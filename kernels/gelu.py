@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from forge import opkit
+from forge import formulas, opkit
 from forge.spec import KernelSpec, TensorSpec
 
 NAME = "gelu"
@@ -18,6 +18,11 @@ SUMMARY = "F.gelu(x, approximate='none' | 'tanh'), elementwise over any shape"
 TEMPLATES = {"flat": "gelu_flat.j2", "persistent": "gelu_persistent.j2"}
 DEFAULT_ATTRS = {"approximate": "none"}
 MODES = ("none", "tanh")
+# form="formula": the user's code writes gelu out (0.5 * x * (1 + erf(x / sqrt(2))) or the tanh formula,
+# five to eight eager kernels); the reference, the search's baseline, then runs that formula as written
+# and torch's F.gelu is one more candidate (forge/fused.py). Absent: the user calls F.gelu / nn.GELU.
+OPTIONAL_ATTRS = ("form",)
+FORMS = ("formula",)
 
 # Elementwise masking shapes for tests/test_templates.py: one element, odd sizes, leading dims that
 # flatten, a power of two, and a long one whose last block holds one element.
@@ -26,13 +31,19 @@ TEST_SHAPES = [(1,), (7,), (3, 7), (2, 3, 33), (5, 300), (4096,), (1, 65537)]
 
 def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:
     a = {**DEFAULT_ATTRS, **(attrs or {})}
-    unknown = set(a) - set(DEFAULT_ATTRS)
+    unknown = set(a) - set(DEFAULT_ATTRS) - set(OPTIONAL_ATTRS)
     if unknown:
-        raise ValueError(f"gelu takes attributes {sorted(DEFAULT_ATTRS)}, not {sorted(unknown)}")
+        raise ValueError(f"gelu takes attributes {sorted(DEFAULT_ATTRS) + list(OPTIONAL_ATTRS)}, not {sorted(unknown)}")
     mode = str(a["approximate"]).lower()
     if mode not in MODES:
         raise ValueError(f"approximate={a['approximate']!r} is not supported (only 'none' or 'tanh')")
-    return KernelSpec(NAME, (TensorSpec(shape, dtype, device=device),), {"approximate": mode})
+    out = {"approximate": mode}
+    if "form" in a:
+        if a["form"] not in FORMS:
+            raise ValueError(f"form={a['form']!r}: gelu knows form='formula' (the formula written out) or no form "
+                             "(F.gelu)")
+        out["form"] = a["form"]
+    return KernelSpec(NAME, (TensorSpec(shape, dtype, device=device),), out)
 
 
 def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
@@ -41,10 +52,18 @@ def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
 
 
 def reference(inputs, attrs):
-    """The eager baseline: PyTorch's fused gelu kernel (one read, one write)."""
+    """The eager baseline, as the user's code runs it: PyTorch's fused gelu kernel (one read, one write), or
+    with form="formula" the formula written out (erf: 5 eager kernels; tanh, as MinGPT / GPT-2's gelu_new
+    write it: 8)."""
+    import torch
     import torch.nn.functional as F
 
-    return F.gelu(inputs[0], approximate=attrs["approximate"])
+    x = inputs[0]
+    if attrs.get("form") != "formula":
+        return F.gelu(x, approximate=attrs["approximate"])
+    if attrs["approximate"] == "tanh":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
 def oracle(inputs, attrs):
@@ -94,135 +113,8 @@ def flops(spec: KernelSpec) -> int:
 # row ops' bounds in every dtype.
 
 
-# -- recognising gelu in user code (forge/trace.py canonical forms) --------------------------------
-# A written-out formula matches only if its constants are these within REL_TOL (relative): the
-# constant as written in the papers/libraries (0.7978845608, 0.70710678...) or rounded to fp32 passes;
-# a different constant is a different function and falls back to eager.
-REL_TOL = 1e-6
-INV_SQRT2 = 1.0 / math.sqrt(2.0)
-SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-TANH_CUBIC = 0.044715
-# The argument of erf / tanh as a polynomial in x: {power: coefficient}.
-ARGUMENT = {"erf": ("none", {1: INV_SQRT2}),
-            "tanh": ("tanh", {1: SQRT_2_OVER_PI, 3: SQRT_2_OVER_PI * TANH_CUBIC})}
-MAX_DEGREE = 8
-
-
-def _close(value: float, target: float) -> bool:
-    return abs(value - target) <= REL_TOL * abs(target)
-
-
-def _number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _poly(e: tuple, x: tuple) -> dict[int, float] | None:
-    """`e` as a polynomial in the input `x` ({power: coefficient}), or None if it is not one
-    (another input, a non-numeric constant, division by a non-constant, a transcendental op)."""
-    head = e[0]
-    if e == x:
-        return {1: 1.0}
-    if head == "const":
-        return {0: float(e[1])} if _number(e[1]) else None
-    if head in ("mul", "add", "sub", "neg", "recip"):
-        parts = [_poly(a, x) for a in e[1:]]
-        if any(p is None for p in parts):
-            return None
-        if head == "neg":
-            return {k: -c for k, c in parts[0].items()}
-        if head == "recip":
-            c = parts[0]
-            if set(c) != {0} or c[0] == 0.0:
-                return None
-            return {0: 1.0 / c[0]}
-        if head == "sub":
-            parts[1] = {k: -c for k, c in parts[1].items()}
-        out: dict[int, float] = {0: 1.0} if head == "mul" else {}
-        for p in parts:
-            if head == "mul":
-                prod: dict[int, float] = {}
-                for i, a in out.items():
-                    for j, b in p.items():
-                        prod[i + j] = prod.get(i + j, 0.0) + a * b
-                out = prod
-            else:
-                for k, c in p.items():
-                    out[k] = out.get(k, 0.0) + c
-        if any(k > MAX_DEGREE for k in out):
-            return None
-        return {k: c for k, c in out.items() if c != 0.0}
-    return None
-
-
-def _poly_is(p: dict[int, float] | None, target: dict[int, float]) -> bool:
-    return p is not None and set(p) == set(target) and all(_close(p[k], target[k]) for k in target)
-
-
-def _inputs_in(e) -> set:
-    if not isinstance(e, tuple) or not e:
-        return set()
-    if e[0] == "input":
-        return {e}
-    return set().union(*(_inputs_in(a) for a in e[1:] if isinstance(a, tuple)))
-
-
-def _special(term: tuple) -> tuple[str, tuple, tuple[tuple, ...]] | None:
-    """erf(arg) / tanh(arg), alone or times constant factors: (function, arg, the other factors)."""
-    if term[0] in ARGUMENT:
-        return term[0], term[1], ()
-    if term[0] == "mul":
-        found = [f for f in term[1:] if f[0] in ARGUMENT]
-        if len(found) == 1:
-            rest = list(term[1:])
-            rest.remove(found[0])
-            return found[0][0], found[0][1], tuple(rest)
-    return None
-
-
-def _match_formula(expr: tuple) -> tuple[list, dict] | None:
-    """k * x * (c + c * f(arg)), f = erf or tanh, factors in any order; k * c must be 0.5 and arg
-    x / sqrt(2) (erf) or sqrt(2/pi) * (x + 0.044715 x^3) (tanh), checked as polynomials in x."""
-    if expr[0] != "mul":
-        return None
-    sums = [f for f in expr[1:] if f[0] == "add" and sum(_special(t) is not None for t in f[1:]) == 1]
-    if len(sums) != 1:
-        return None
-    terms = list(sums[0][1:])
-    term = next(t for t in terms if _special(t) is not None)
-    fn, arg, scale_factors = _special(term)
-    xs = _inputs_in(arg)
-    if len(xs) != 1:
-        return None
-    x = xs.pop()
-    mode, target = ARGUMENT[fn]
-    if not _poly_is(_poly(arg, x), target):
-        return None
-    terms.remove(term)
-    scale = _poly(("mul", *scale_factors), x) if scale_factors else {0: 1.0}
-    offset = _poly(("add", *terms), x) if len(terms) > 1 else (_poly(terms[0], x) if terms else None)
-    rest = list(expr[1:])
-    rest.remove(sums[0])
-    outer = _poly(("mul", *rest), x) if len(rest) > 1 else (_poly(rest[0], x) if rest else None)
-    if scale is None or offset is None or outer is None:
-        return None
-    if set(scale) != {0} or set(offset) != {0} or set(outer) != {1}:
-        return None
-    c = offset[0]
-    if not (_close(scale[0], c) and _close(outer[1] * c, 0.5)):
-        return None
-    return [x[1]], {"approximate": mode}
-
-
+# -- recognising gelu in user code (forge/trace.py canonical forms): forge/formulas.py owns the rule ---------
 def match(expr) -> tuple[list, dict] | None:
-    """F.gelu(x[, approximate]), nn.GELU([approximate]), and the written-out formulas
-    0.5 * x * (1 + erf(x / sqrt(2)))  ->  approximate="none"
-    0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))  ->  approximate="tanh"
-    in any arrangement that canonicalises to the same polynomials (x * 0.7071067811865476,
-    x * (0.5 + 0.5 * erf(...)), x * (1 + ...) / 2, x * x * x). An unknown `approximate` string is still
-    returned, so make_spec names it as the reason for falling back."""
-    if expr[0] == "gelu":
-        _, x, mode = expr
-        if x[0] != "input" or mode[0] != "const" or not isinstance(mode[1], str):
-            return None
-        return [x[1]], {"approximate": mode[1].lower()}
-    return _match_formula(expr)
+    """F.gelu(x[, approximate]), nn.GELU([approximate]) and the written-out erf and tanh formulas
+    (form="formula"): forge/formulas.py match_gelu."""
+    return formulas.match_gelu(expr)

@@ -1,4 +1,6 @@
-"""layer_norm: y = (x - mean(x)) * rsqrt(var(x) + eps) * w + b over the last dimension."""
+"""layer_norm: y = (x - mean(x)) * rsqrt(var(x) + eps) * w + b over the last dimension, or over several
+trailing dimensions (attribute dims = k: nn.LayerNorm((C, H, W)), w and b of shape (C, H, W)), which
+runs the same kernels on x.reshape(-1, prod(shape[-k:])) (its rows are contiguous)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,13 @@ DEFAULT_ATTRS = {"eps": 1e-5}
 STRIDED_INPUTS = (0,)
 # The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
 ORACLE_CHUNK = "rows"
-# Accepted by make_spec but not part of the spec: the only supported value is (N,), which the shape
-# already says. The matcher passes it only when it is something else, so the fallback names it.
+# Accepted by make_spec but not part of the spec: it must be the shape's trailing dims, which "dims" (their
+# number) then says; the matcher passes "dims".
 _CHECKED_ATTRS = ("normalized_shape",)
+# In the spec (and the key) only where it is not 1: every spec over the last dim is what it always was.
+SHAPE_ATTRS = {"dims": 1}
+OPTIONAL_ATTRS = tuple(SHAPE_ATTRS)  # manifests may name it (forge trace --write-manifest writes it)
+FILL_MISSING_ATTRS = True  # w and b of the normalized shape, which depends on dims (forge/ops.py)
 
 # Whole-row variants hold x, w and b (three fp32 values per element) in registers: at 64 elements
 # per thread that is 192 of 255 registers before addresses and temporaries, where rmsnorm's two
@@ -37,21 +43,29 @@ OFFSET_SPREADS = {"float16": 30.0, "bfloat16": 100.0, "float32": 100.0}
 
 def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:
     a = {**DEFAULT_ATTRS, **(attrs or {})}
-    unknown = set(a) - set(DEFAULT_ATTRS) - set(_CHECKED_ATTRS)
+    unknown = set(a) - set(DEFAULT_ATTRS) - set(_CHECKED_ATTRS) - set(SHAPE_ATTRS)
     if unknown:
         raise ValueError(f"layer_norm takes attributes {sorted(DEFAULT_ATTRS)}, not {sorted(unknown)}")
-    n = int(shape[-1])
+    shape = tuple(shape)
+    dims = a.pop("dims", 1)
+    if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= len(shape):
+        raise ValueError(f"dims={dims!r}: the number of trailing dims normalized, 1 to {len(shape)}")
     if "normalized_shape" in a:
         ns = a.pop("normalized_shape")
         ns = (ns,) if isinstance(ns, int) else tuple(ns)
-        if ns != (n,):
-            raise ValueError(f"normalized_shape={ns} is not supported: layer_norm kernels normalize over the "
-                             f"last dimension only, normalized_shape=({n},)")
+        if "dims" in (attrs or {}) and len(ns) != dims:
+            raise ValueError(f"normalized_shape={ns} and dims={dims} disagree")
+        if not 1 <= len(ns) <= len(shape) or ns != shape[len(shape) - len(ns):]:
+            raise ValueError(f"normalized_shape={ns} is not supported: layer_norm kernels normalize over "
+                             f"trailing dims of the input, shape {shape}")
+        dims = len(ns)
+    if dims != 1:
+        a["dims"] = dims
     eps = a["eps"]
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps):
         raise ValueError(f"eps must be a finite number, not {eps!r}")
     a["eps"] = float(eps)
-    vec = TensorSpec((n,), dtype, device=device)
+    vec = TensorSpec(shape[len(shape) - dims:], dtype, device=device)
     return KernelSpec(NAME, (TensorSpec(shape, dtype, device=device), vec, vec), a)
 
 
@@ -71,7 +85,9 @@ def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
     x, w, b = spec.inputs
     xt = opkit.random_tensor(x.shape, x.dtype, x.device, gen, distribution)
     # A different offset per row, uniform in +-OFFSET_SPREADS spreads: rows near zero and far from it.
-    u = torch.rand((*x.shape[:-1], 1), generator=gen, dtype=torch.float32, device=xt.device)
+    # (A row: the normalized trailing dims, as many as w has.)
+    lead = len(x.shape) - len(w.shape)
+    u = torch.rand((*x.shape[:lead], *(1,) * len(w.shape)), generator=gen, dtype=torch.float32, device=xt.device)
     offset = (2.0 * u - 1.0) * (OFFSET_SPREADS[x.dtype] * _spread(distribution, x.dtype))
     xt = (xt.float() + offset).to(xt.dtype)
     # w around 1 but not equal to it and b around 0 but not zero, so a kernel that ignores either fails.
@@ -85,7 +101,20 @@ def reference(inputs, attrs):
     import torch.nn.functional as F
 
     x, w, b = inputs
-    return F.layer_norm(x, x.shape[-1:], w, b, attrs["eps"])
+    return F.layer_norm(x, x.shape[x.dim() - attrs.get("dims", 1):], w, b, attrs["eps"])
+
+
+def oracle(inputs, attrs):
+    """The float64 reference on chunks of rows (opkit.oracle_in_chunks); over several trailing dims on
+    x viewed as rows of prod(trailing) values, w and b flattened: the same values, and chunks that never
+    cut a normalized group."""
+    if "dims" not in attrs:
+        return opkit.float64_oracle(reference, inputs, attrs, ORACLE_CHUNK)
+    x, w, b = inputs
+    n = w.numel()
+    out = opkit.float64_oracle(reference, (x.reshape(-1, n), w.reshape(n), b.reshape(n)), {"eps": attrs["eps"]},
+                             "rows")
+    return out.reshape(x.shape)
 
 
 def alloc_output(inputs, spec: KernelSpec):
@@ -97,8 +126,8 @@ def alloc_output(inputs, spec: KernelSpec):
 
 def run(module, inputs, out, attrs) -> None:
     x, w, b = inputs
-    n = x.shape[-1]
-    module.launch(x.reshape(-1, n), w, b, out.view(-1, n), attrs["eps"])
+    n = w.numel()  # the normalized trailing dims, flattened (w and b have their shape)
+    module.launch(x.reshape(-1, n), w.reshape(-1), b.reshape(-1), out.view(-1, n), attrs["eps"])
 
 
 def space(spec: KernelSpec) -> opkit.Space:
@@ -144,8 +173,8 @@ def _optional_input(e) -> tuple[bool, int | None]:
 def match(expr) -> tuple[list, dict] | None:
     """(input indices [x, w or None, b or None], attrs) for F.layer_norm / nn.LayerNorm.
 
-    The trace ran the call, so a one-element normalized_shape equals x.shape[-1:]; any other is passed
-    on as an attribute for make_spec to refuse by name."""
+    The trace ran the call, so normalized_shape is x's trailing shape (torch checks it, and w and b
+    have it): its length is the attribute dims (passed only when it is not 1)."""
     if expr[0] != "layer_norm" or len(expr) != 6:
         return None
     _, x, ns, w, b, eps = expr
@@ -167,13 +196,18 @@ def match(expr) -> tuple[list, dict] | None:
     return [x[1], wi, bi], attrs
 
 
-def fill_missing(inputs: list):
+def fill_missing(inputs: list, attrs: dict | None = None):
     """No weight is w = 1 and no bias is b = 0: the same kernel, exactly (y * 1 + 0 == y; only a
-    -0.0 becomes +0.0)."""
+    -0.0 becomes +0.0). Their shape is the normalized trailing shape (attribute dims or normalized_shape,
+    the matcher's)."""
     import torch
 
     x, w, b = inputs
-    n = x.shape[-1]
+    attrs = attrs or {}
+    ns = attrs.get("normalized_shape")
+    k = len(ns) if isinstance(ns, list | tuple) else int(attrs.get("dims", 1))
+    k = min(max(k, 1), max(x.dim(), 1))
+    n = tuple(x.shape[x.dim() - k:]) if x.dim() else (1,)
     if w is None:
         w = torch.ones(n, dtype=x.dtype, device=x.device)
     if b is None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 
-from forge import hardware, opkit
-from forge.spec import ITEMSIZE, KernelSpec, TensorSpec
+from forge import opkit
+from forge.spec import KernelSpec, TensorSpec
 
 NAME = "matmul"
 SUMMARY = "A @ B (mm, bmm; no broadcasting)"
@@ -39,13 +39,11 @@ TEST_SHAPES = [(1, 1, 1), (7, 5, 3), (33, 17, 40), (2, 31, 20, 19), (1, 64, 300)
 MID_SHAPE = (16, 1024, 1024)
 
 # The SM count (hardware.GPU_SMS) only bounds which split-K points are worth timing (space(): when the
-# tiled grid fills the GPU); the pipelined A and B tiles must fit hardware.SMEM_PER_PROGRAM.
-# fp32 accumulator values per thread: above 128 (of 255 registers) the A/B fragments and addresses
-# no longer fit and the kernel spills; below 4 a warp covers less than one MMA instruction's tile.
-MAX_ACC_PER_THREAD = 128
-MIN_ACC_PER_THREAD = 4
-# tl.dot needs every block dimension >= 16.
-MIN_BLOCK = 16
+# tiled grid fills the GPU); the pipelined A and B tiles must fit hardware.SMEM_PER_PROGRAM. The space,
+# its rules and the default are shared with linear and swiglu (opkit.gemm_space, which says why).
+MAX_ACC_PER_THREAD = opkit.GEMM_MAX_ACC_PER_THREAD
+MIN_ACC_PER_THREAD = opkit.GEMM_MIN_ACC_PER_THREAD
+MIN_BLOCK = opkit.GEMM_MIN_BLOCK
 
 
 def _dims(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
@@ -96,18 +94,9 @@ def problem(inputs, attrs) -> tuple[int, ...]:
 
 
 # -- data, baseline and oracle ----------------------------------------------------------------------
-# The root mean square of A's elements under each distribution of opkit.random_tensor (its scale
-# factors: large x1e3 (fp16) or x1e5; tiny x1e-4; outliers: N(0, 1) with 0.2% of elements set to
-# ±1e3 (fp16) or ±1e4, so E[a^2] = 1 + 2e-3 * big^2).
 def _a_rms(distribution: str, dtype: str) -> float:
-    if distribution == "large":
-        return 1e3 if dtype == "float16" else 1e5
-    if distribution == "tiny":
-        return 1e-4
-    if distribution == "outliers":
-        big = 1e3 if dtype == "float16" else 1e4
-        return math.sqrt(1.0 + 2e-3 * big * big)
-    return 1.0
+    """The root mean square of A's elements under each distribution (opkit.distribution_rms)."""
+    return opkit.distribution_rms(distribution, dtype)
 
 
 def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
@@ -160,68 +149,12 @@ def run(module, inputs, out, attrs) -> None:
 
 
 # -- search space ---------------------------------------------------------------------------------
-GPU_GRID = {
-    "tiled": {"BLOCK_M": [16, 32, 64, 128, 256], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [32, 64, 128],
-              "GROUP_M": [1, 8], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5]},
-    "splitk": {"BLOCK_M": [16, 32, 64], "BLOCK_N": [32, 64, 128], "BLOCK_K": [32, 64, 128, 256],
-               "SPLIT_K": [2, 4, 8, 16, 32], "num_warps": [2, 4, 8], "num_stages": [2, 3, 4]},
-}
-# The interpreter: small blocks (it is slow at tl.dot), and no pipelining (num_stages means nothing).
-CPU_GRID = {
-    "tiled": {"BLOCK_M": [16, 32], "BLOCK_N": [16, 32], "BLOCK_K": [16, 32], "GROUP_M": [1, 2],
-              "num_warps": [4], "num_stages": [1]},
-    "splitk": {"BLOCK_M": [16], "BLOCK_N": [16, 32], "BLOCK_K": [16, 32], "SPLIT_K": [2, 4],
-               "num_warps": [4], "num_stages": [1]},
-}
-
-
-def _cover(n: int, smallest: int) -> int:
-    """The largest block worth trying for a dimension of size n: one block covers it."""
-    return max(smallest, opkit.next_pow2(n))
+GPU_GRID = opkit.GEMM_GPU_GRID
+CPU_GRID = opkit.GEMM_CPU_GRID
 
 
 def space(spec: KernelSpec) -> opkit.Space:
-    bt, m, n, k = _dims(problem_shape(spec))
-    on_gpu = spec.device == "cuda"
-    grid = GPU_GRID if on_gpu else CPU_GRID
-    itemsize = ITEMSIZE[spec.dtype]
-
-    def valid(c: opkit.Candidate) -> bool:
-        p = c.p
-        bm, bn, bk, warps, stages = p["BLOCK_M"], p["BLOCK_N"], p["BLOCK_K"], p["num_warps"], p["num_stages"]
-        g = grid[c.variant]
-        # Blocks larger than one that covers the dimension only add masked work.
-        if bm > _cover(m, g["BLOCK_M"][0]) or bn > _cover(n, g["BLOCK_N"][0]) or bk > _cover(k, g["BLOCK_K"][0]):
-            return False
-        if min(bm, bn, bk) < MIN_BLOCK:
-            return False
-        if (bm * bk + bk * bn) * itemsize * stages > hardware.SMEM_PER_PROGRAM:
-            return False
-        if on_gpu:
-            acc = bm * bn / (32 * warps)
-            if not MIN_ACC_PER_THREAD <= acc <= MAX_ACC_PER_THREAD:
-                return False
-            # fp32 uses FMA dots ("ieee"), whose operand slices live in registers: keep them small.
-            if spec.dtype == "float32" and (bk > 64 or acc > 64):
-                return False
-        elif stages != 1:
-            return False
-        k_blocks = math.ceil(k / bk)
-        tiles = bt * math.ceil(m / bm) * math.ceil(n / bn)
-        if on_gpu and stages > 2 and stages > k_blocks:  # more stages than K steps buffer nothing
-            return False
-        if c.variant == "tiled":
-            # Grouping only reorders programs when there are several tile rows and columns.
-            return p["GROUP_M"] == 1 or (math.ceil(m / bm) > 1 and math.ceil(n / bn) > 1)
-        split = p["SPLIT_K"]
-        per_split = math.ceil(k_blocks / split)
-        if math.ceil(k_blocks / per_split) != split:  # some splits would get no K at all
-            return False
-        # Splitting pays only when the tiles alone leave SMs idle; more than ~4 waves of split
-        # programs only adds workspace traffic (SPLIT_K x the fp32 output, written and read back).
-        return not on_gpu or (tiles < hardware.GPU_SMS and tiles * split <= 4 * hardware.GPU_SMS)
-
-    return opkit.Space(variants={v: dict(g) for v, g in grid.items()}, valid=valid)
+    return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype)
 
 
 def problem_shape(spec: KernelSpec) -> tuple[int, ...]:
@@ -235,35 +168,7 @@ def problem_shape(spec: KernelSpec) -> tuple[int, ...]:
 def default(spec: KernelSpec) -> opkit.Candidate:
     """An untuned but sensible choice: split-K when the output is a handful of tiles and K is long
     (decode), else 128x128 tiles (smaller for small M/N) with BLOCK_K 64 (32 for fp32), 3 stages."""
-    bt, m, n, k = _dims(problem_shape(spec))
-    sp = space(spec)
-    if spec.device != "cuda":
-        def fit(d: int) -> int:
-            return min(32, _cover(d, 16))
-        cand = opkit.Candidate.make("tiled", BLOCK_M=fit(m), BLOCK_N=fit(n), BLOCK_K=fit(k), GROUP_M=1,
-                                    num_warps=4, num_stages=1)
-        return cand if cand in sp else sp.points("tiled")[0]
-    fp32 = spec.dtype == "float32"
-    bm = min(128, _cover(m, 16))
-    bn = min(128, _cover(n, 32))
-    tiles = bt * math.ceil(m / bm) * math.ceil(n / bn)
-    if tiles < hardware.GPU_SMS // 2 and k >= 1024:
-        bm_s, bn_s, bk_s = min(64, _cover(m, 16)), 64, 64 if fp32 else 128
-        split_tiles = bt * math.ceil(m / bm_s) * math.ceil(n / bn_s)
-        for split in (32, 16, 8, 4, 2):
-            cand = opkit.Candidate.make("splitk", BLOCK_M=bm_s, BLOCK_N=bn_s, BLOCK_K=bk_s, SPLIT_K=split,
-                                        num_warps=4, num_stages=3)
-            if split_tiles * split <= 2 * hardware.GPU_SMS and cand in sp:
-                return cand
-    bk = 32 if fp32 else 64
-    for warps in (8, 4):
-        for stages in (3, 2):
-            cand = opkit.Candidate.make("tiled", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, _cover(k, 32)),
-                                        GROUP_M=8 if math.ceil(m / bm) > 1 and math.ceil(n / bn) > 1 else 1,
-                                        num_warps=warps, num_stages=stages)
-            if cand in sp:
-                return cand
-    return sp.points("tiled")[0]  # 16x32x32 tiles, 4 warps, 2 stages: valid at every shape
+    return opkit.gemm_default(_dims(problem_shape(spec)), spec.device, spec.dtype, space(spec))
 
 
 def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
@@ -306,22 +211,14 @@ def flops(spec: KernelSpec) -> int:
 
 
 # -- tolerance --------------------------------------------------------------------------------------
-# The K that tolerance(dtype) assumes when it is not told K (forge/tuner/validate.py passes only the
-# dtype): the bound then holds for K <= 65536. A larger K can make a correct kernel fail validation,
-# which only means eager is used; see tolerance_for(spec).
-K_ASSUMED = 65536
+# The K that tolerance(dtype) assumes when it is not told K (opkit.GEMM_K_ASSUMED says why).
+K_ASSUMED = opkit.GEMM_K_ASSUMED
 
 
 def tolerance_for_k(dtype: str, k: int) -> opkit.Tolerance:
-    """Tolerance for an output of scale ~1 (make_inputs) after a K-long fp32 accumulation.
-
-    fp32 accumulation in a different order than the oracle's float64 adds an error of RMS ~
-    2^-24 * sqrt(K/2) per output (a random walk over K roundings of partial sums of size <= 1).
-    Added to the norm bound (x4) and as an absolute floor (x8, covering the largest of millions of
-    elements) for elements that cancel to ~0, where no relative bound can hold."""
-    acc = 2.0 ** -24 * math.sqrt(max(int(k), 1))
-    base = opkit.ROW_TOLERANCE[dtype]  # the output's rounding and the fp32 ops around it, as for row ops
-    return opkit.Tolerance(rel_norm=base.rel_norm + 4 * acc, atol=base.atol + 8 * acc, rtol=base.rtol)
+    """Tolerance for an output of scale ~1 (make_inputs) after a K-long fp32 accumulation
+    (opkit.gemm_tolerance)."""
+    return opkit.gemm_tolerance(dtype, k)
 
 
 def tolerance(dtype: str) -> opkit.Tolerance:

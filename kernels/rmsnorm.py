@@ -1,4 +1,9 @@
-"""rmsnorm: y = x * rsqrt(mean(x², -1) + eps) * w over the last dimension."""
+"""rmsnorm: y = x * rsqrt(mean(x², dims) + eps) * w over the last dimension, several trailing dimensions
+(attribute dims = k: F.rms_norm(x, (H, W), w), w of shape (H, W)) or one other dimension (attribute
+dim = d < -1: over C of an NCHW x, w of shape (C, 1, 1), as the user's w.view(1, C, 1, 1) broadcasts).
+
+Trailing dims run the row variants on x.reshape(-1, prod(shape[-k:])) (the rows are contiguous); one
+non-last dim runs the "strided" variant on contiguous x viewed as (outer, R, inner)."""
 
 from __future__ import annotations
 
@@ -7,8 +12,20 @@ from forge.spec import KernelSpec, TensorSpec
 
 NAME = "rmsnorm"
 SUMMARY = "x * rsqrt(mean(x^2, -1) + eps) * w"
-TEMPLATES = {"row": "rmsnorm_row.j2", "looped": "rmsnorm_looped.j2", "multirow": "rmsnorm_multirow.j2"}
+TEMPLATES = {"row": "rmsnorm_row.j2", "looped": "rmsnorm_looped.j2", "multirow": "rmsnorm_multirow.j2",
+             "strided": "rmsnorm_strided.j2"}
 DEFAULT_ATTRS = {"eps": 1e-6}
+# Optional attributes, in the spec (and so the key) only where they differ from these: every spec over
+# the last dim is what it always was. "weight_view" is the matcher's note, never in a spec: the shape
+# the user's expression gives the weight (w.view(1, C, 1, 1)), for fill_missing to check.
+SHAPE_ATTRS = {"dims": 1, "dim": -1}
+_NOTES = ("weight_view",)
+# form="fused": the user's code calls F.rms_norm / nn.RMSNorm (torch's fused op); the reference, the search's
+# baseline, then is that call. Absent: the formula as users write it (5 eager kernels), with F.rms_norm one
+# more candidate (forge/fused.py).
+OPTIONAL_ATTRS = ("form", *SHAPE_ATTRS)  # manifests may name them (forge trace --write-manifest writes them)
+FILL_MISSING_ATTRS = True  # the weight's shape depends on dims/dim (forge/ops.py)
+VARIANT_ATTRS = {"strided": {"dim": -2}}
 # x may have any outer strides with its rows contiguous: the kernels take a row stride; run() views x
 # as rows (a copy where no view exists). The weight stays contiguous.
 STRIDED_INPUTS = (0,)
@@ -18,12 +35,35 @@ ORACLE_CHUNK = "rows"
 
 def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:
     a = {**DEFAULT_ATTRS, **(attrs or {})}
-    unknown = set(a) - set(DEFAULT_ATTRS)
+    for note in _NOTES:
+        a.pop(note, None)
+    unknown = set(a) - set(DEFAULT_ATTRS) - set(SHAPE_ATTRS) - set(OPTIONAL_ATTRS)
     if unknown:
         raise ValueError(f"rmsnorm takes attributes {sorted(DEFAULT_ATTRS)}, not {sorted(unknown)}")
+    if a.get("form", "fused") != "fused":
+        raise ValueError(f"form={a['form']!r}: rmsnorm knows form='fused' (F.rms_norm / nn.RMSNorm) or no form "
+                         "(the formula)")
     a["eps"] = float(a["eps"])
-    return KernelSpec(NAME, (TensorSpec(shape, dtype, device=device), TensorSpec((shape[-1],), dtype,
-                                                                                 device=device)), a)
+    shape = tuple(shape)
+    dims = a.pop("dims", 1)
+    if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= len(shape):
+        raise ValueError(f"dims={dims!r}: the number of trailing dims normalized, 1 to {len(shape)}")
+    dim = opkit.normalize_dim(a.pop("dim", -1), len(shape), "rmsnorm")
+    if dim != -1 and dims != 1:
+        raise ValueError(f"rmsnorm normalizes over trailing dims or one dim, not both (dims={dims}, dim={dim})")
+    if dims != 1:
+        a["dims"] = dims
+    if dim != -1:
+        a["dim"] = dim
+    w = opkit.trailing_shape(shape, a)
+    return KernelSpec(NAME, (TensorSpec(shape, dtype, device=device), TensorSpec(w, dtype, device=device)), a)
+
+
+def strided_problem(spec: KernelSpec) -> str | None:
+    """Over a non-last dim x must be contiguous (the strided variant indexes it as (outer, R, inner))."""
+    if "dim" in spec.attrs:
+        return f"rmsnorm over dim={spec.attrs['dim']} takes a contiguous x only"
+    return None
 
 
 def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
@@ -39,7 +79,14 @@ def reference(inputs, attrs):
     import torch
 
     x, w = inputs
-    return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + attrs["eps"]) * w
+    if attrs.get("form") == "fused":  # the user calls torch's op
+        import torch.nn.functional as F
+
+        return F.rms_norm(x, tuple(x.shape[x.dim() - attrs.get("dims", 1):]), w, attrs["eps"])
+    dim = attrs.get("dim", -1)
+    if "dims" in attrs:
+        dim = tuple(range(-attrs["dims"], 0))
+    return x * torch.rsqrt(torch.mean(x * x, dim=dim, keepdim=True) + attrs["eps"]) * w
 
 
 def alloc_output(inputs, spec: KernelSpec):
@@ -51,16 +98,48 @@ def alloc_output(inputs, spec: KernelSpec):
 
 def run(module, inputs, out, attrs) -> None:
     x, w = inputs
-    n = x.shape[-1]
-    module.launch(x.reshape(-1, n), w, out.view(-1, n), attrs["eps"])
+    if "dim" in attrs:  # contiguous x (strided_problem): (outer, R, inner) is a view
+        d = x.dim() + attrs["dim"]
+        outer, inner = x.shape[:d].numel(), x.shape[d + 1:].numel()
+        module.launch(x.view(outer, x.shape[d], inner), w.reshape(-1), out.view(outer, x.shape[d], inner),
+                      attrs["eps"])
+        return
+    n = w.numel()  # the normalized trailing dims, flattened (w has their shape)
+    module.launch(x.reshape(-1, n), w.reshape(-1), out.view(-1, n), attrs["eps"])
 
 
-space = opkit.row_space
-default = opkit.row_default
+def space(spec: KernelSpec) -> opkit.Space:
+    dim = spec.attrs.get("dim", -1)
+    return opkit.row_space(spec) if dim == -1 else opkit.strided_space(spec, dim)
+
+
+def default(spec: KernelSpec) -> opkit.Candidate:
+    dim = spec.attrs.get("dim", -1)
+    return opkit.row_default(spec) if dim == -1 else opkit.strided_default(spec, dim)
 
 
 def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
+    if cand.variant == opkit.STRIDED_VARIANT:
+        return opkit.strided_render_context(spec, cand, NAME)
     return opkit.row_render_context(spec, cand, NAME)
+
+
+def oracle(inputs, attrs):
+    """The float64 reference, evaluated on chunks of independent rows (opkit.oracle_in_chunks). Over
+    several trailing dims or one other dim the problem is first viewed as what the kernels compute
+    (rows of prod(trailing) values; (outer, R, inner) with w as (R, 1)): the same values, and chunks
+    that never cut a normalized group."""
+    x, w = inputs
+    if "dim" in attrs:
+        d = x.dim() + attrs["dim"]
+        x3 = x.reshape(x.shape[:d].numel(), x.shape[d], x.shape[d + 1:].numel())
+        out = opkit.float64_oracle(reference, (x3, w.reshape(-1, 1)), {"eps": attrs["eps"], "dim": -2}, "rows")
+        return out.reshape(x.shape)
+    if "dims" in attrs:
+        n = w.numel()
+        out = opkit.float64_oracle(reference, (x.reshape(-1, n), w.reshape(n)), {"eps": attrs["eps"]}, "rows")
+        return out.reshape(x.shape)
+    return opkit.float64_oracle(reference, inputs, attrs, ORACLE_CHUNK)
 
 
 def bytes_moved(spec: KernelSpec) -> int:
@@ -73,16 +152,49 @@ def flops(spec: KernelSpec) -> int:
 
 
 # -- recognising rmsnorm in user code (forge/trace.py canonical forms) ----------------------------
-def match(expr) -> tuple[list, dict] | None:
-    """(input indices [x, w or None], attrs) if `expr` computes rmsnorm over the last dim.
+def _reduced(mean) -> dict | None:
+    """The shape attributes of the mean inside rsqrt: {} (last dim), {"dims": k} or {"dim": d}."""
+    if mean[0] == "mean_last":
+        return {}
+    if mean[0] != "mean" or len(mean) != 5 or mean[3] != ("const", True) or mean[4] != ("const", None):
+        return None
+    dim = mean[2][1] if mean[2][0] == "const" else None
+    if isinstance(dim, int) and not isinstance(dim, bool) and dim < 0:
+        return {} if dim == -1 else {"dim": dim}
+    if isinstance(dim, tuple) and dim and all(isinstance(d, int) and d < 0 for d in dim):
+        k = len(dim)
+        if sorted(set(dim)) == list(range(-k, 0)) and len(set(dim)) == k:  # the last k dims, any order
+            return {} if k == 1 else {"dims": k}
+    return None  # several dims that are not the trailing ones, or positive (unnormalised) indices
 
-    Recognised: F.rms_norm(x, (N,), w, eps); x * rsqrt(mean(x*x or x**2, -1, keepdim) + eps) [* w]
-    in any order; x / sqrt(...) is the same tree after canonicalisation."""
+
+def _weight(e) -> tuple[int, tuple | None] | None:
+    """(input index, the shape a view gives it or None) for a weight operand: an input or a view of one."""
+    if e[0] == "input":
+        return e[1], None
+    if e[0] == "view" and e[1][0] == "input" and e[2][0] == "const" and isinstance(e[2][1], tuple):
+        return e[1][1], e[2][1]
+    return None
+
+
+def match(expr) -> tuple[list, dict] | None:
+    """(input indices [x, w or None], attrs) if `expr` computes rmsnorm.
+
+    Recognised: F.rms_norm(x, normalized_shape, w, eps) and nn.RMSNorm over the trailing dims;
+    x * rsqrt(mean(x*x or x**2, dims, keepdim) + eps) [* w] in any order, over the last dim, several
+    trailing dims (mean((-2, -1))) or one other dim (mean(1) of NCHW), w an input or a view of one
+    (w.view(1, C, 1, 1), w[:, None, None]); x / sqrt(...) is the same tree after canonicalisation.
+    fill_missing checks that the weight's shape broadcasts over the normalized dims."""
     if expr[0] == "rms_norm":
-        _, x, w, eps = expr
+        if len(expr) not in (4, 5):
+            return None
+        _, x, w, eps = expr[:4]
         if x[0] != "input" or w[0] not in ("input", "none"):
             return None
-        return [x[1], w[1] if w[0] == "input" else None], {"eps": float(eps)}
+        attrs = {"eps": float(eps), "form": "fused"}
+        if len(expr) == 5:
+            attrs["dims"] = int(expr[4])
+        return [x[1], w[1] if w[0] == "input" else None], attrs
     if expr[0] != "mul":
         return None
     factors = list(expr[1:])
@@ -91,8 +203,11 @@ def match(expr) -> tuple[list, dict] | None:
         return None
     terms = rsqrts[0][1][1:]
     consts = [t for t in terms if t[0] == "const" and isinstance(t[1], int | float)]
-    means = [t for t in terms if t[0] == "mean_last"]
+    means = [t for t in terms if t[0] in ("mean_last", "mean")]
     if len(consts) != 1 or len(means) != 1:
+        return None
+    shape_attrs = _reduced(means[0])
+    if shape_attrs is None:
         return None
     square = means[0][1]
     if square[0] != "mul" or len(square) != 3 or square[1] != square[2] or square[1][0] != "input":
@@ -103,18 +218,41 @@ def match(expr) -> tuple[list, dict] | None:
     if x not in rest:
         return None
     rest.remove(x)
+    attrs = {"eps": float(consts[0][1]), **shape_attrs}
     if not rest:
-        return [x[1], None], {"eps": float(consts[0][1])}
-    if len(rest) == 1 and rest[0][0] == "input" and rest[0] != x:
-        return [x[1], rest[0][1]], {"eps": float(consts[0][1])}
-    return None
+        return [x[1], None], attrs
+    w = _weight(rest[0]) if len(rest) == 1 and rest[0] != x else None
+    if w is None:
+        return None
+    if w[1] is not None:
+        attrs["weight_view"] = w[1]
+    return [x[1], w[0]], attrs
 
 
-def fill_missing(inputs: list):
-    """rmsnorm without a weight is rmsnorm with w = 1 (same kernel, exact: x * r * 1.0 == x * r)."""
+def _squeezed(shape) -> tuple:
+    """shape without its leading ones (at least one dim kept): two weights equal so broadcast alike."""
+    shape = tuple(shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def fill_missing(inputs: list, attrs: dict | None = None):
+    """rmsnorm without a weight is rmsnorm with w = 1 (same kernel, exact: x * r * 1.0 == x * r).
+
+    A weight is given the spec's shape (opkit.trailing_shape: the normalized dims, or (C, 1, 1) over dim
+    -3) when the shape the expression uses it in (its own, or the matcher's weight_view) broadcasts
+    against x exactly as that does: equal but for leading ones, and no more dims than x (else eager's
+    result would grow). Any other weight is left as it is, and the spec's shape check refuses it."""
     import torch
 
     x, w = inputs
+    attrs = attrs or {}
+    want = opkit.trailing_shape(tuple(x.shape), attrs)
     if w is None:
-        w = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        return (x, torch.ones(want, dtype=x.dtype, device=x.device))
+    seen = attrs.get("weight_view") or tuple(w.shape)
+    if (tuple(w.shape) != want and len(seen) <= x.dim() and _squeezed(seen) == _squeezed(want)
+            and w.numel() == torch.Size(want).numel() and w.is_contiguous()):
+        w = w.view(want)  # a view (a contiguous w's values, in the order the expression reads them)
     return (x, w)

@@ -16,6 +16,9 @@ NAME = "silu_mul"
 SUMMARY = "F.silu(a) * b (SwiGLU gate), elementwise over any shape"
 TEMPLATES = {"flat": "silu_mul_flat.j2", "persistent": "silu_mul_persistent.j2"}
 DEFAULT_ATTRS: dict = {}
+# form="formula": the user's code writes the gate out, a * torch.sigmoid(a) * b (three eager kernels); the
+# reference then runs it so, and F.silu(a) * b is one more candidate (forge/fused.py). Absent: F.silu(a) * b.
+OPTIONAL_ATTRS = ("form",)
 
 # Elementwise masking shapes for tests/test_templates.py: one element, odd sizes, leading dims that
 # flatten, a power of two, and a long one whose last block holds one element.
@@ -27,10 +30,14 @@ def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | Non
     if a.get("inplace"):
         raise ValueError("F.silu(a, inplace=True) also overwrites a with silu(a); the fused kernel leaves a as is")
     a.pop("inplace", None)
+    form = a.pop("form", None)
     if a:
-        raise ValueError(f"silu_mul takes no attributes, not {sorted(a)}")
+        raise ValueError(f"silu_mul takes only the attribute form, not {sorted(a)}")
+    if form not in (None, "formula"):
+        raise ValueError(f"form={form!r}: silu_mul knows form='formula' (a * sigmoid(a) * b) or no form "
+                         "(F.silu(a) * b)")
     t = TensorSpec(shape, dtype, device=device)
-    return KernelSpec(NAME, (t, t), {})
+    return KernelSpec(NAME, (t, t), {} if form is None else {"form": form})
 
 
 def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
@@ -44,10 +51,14 @@ def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
 
 
 def reference(inputs, attrs):
-    """The eager baseline as a SwiGLU MLP writes it: two kernels (silu, then the product)."""
+    """The eager baseline as the user's code runs it: F.silu(a) * b as a SwiGLU MLP writes it (two kernels:
+    silu, then the product), or with form="formula" a * torch.sigmoid(a) * b (three)."""
+    import torch
     import torch.nn.functional as F
 
     a, b = inputs
+    if attrs.get("form") == "formula":
+        return a * torch.sigmoid(a) * b
     return F.silu(a) * b
 
 
@@ -141,5 +152,5 @@ def match(expr) -> tuple[list, dict] | None:
                 continue
             rest.remove(a)
             if rest[0][0] == "input":
-                return [a[1], rest[0][1]], {}
+                return [a[1], rest[0][1]], {"form": "formula"}
     return None

@@ -10,6 +10,11 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# torch's fused op is a search candidate (forge/fused.py); on the interpreter it beats every kernel, so the
+# many tests that force a kernel decision (stats.accepts patched) would get "torch" instead. Tests search
+# kernels only (module-scoped fixtures too, hence here and not only per test); tests/test_torch_op.py
+# switches it back on.
+os.environ["FORGE_TORCH_OPS"] = "0"
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -34,6 +39,7 @@ def _isolated_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("FORGE_LOCK_DIR", str(tmp_path / "locks"))
     monkeypatch.delenv("FORGE_OPS_PATH", raising=False)
+    monkeypatch.setenv("FORGE_TORCH_OPS", "0")  # see above: a test that changed it does not leak it
 
 
 @pytest.fixture

@@ -45,11 +45,14 @@ def _out(o):
     return o.logits if hasattr(o, "logits") else o.last_hidden_state
 
 
-# Regions each tiny model's forge-tunable ops give (2 layers): Llama 2 rmsnorm per layer + the final one
-# and a SwiGLU per layer; GPT-2 2 layer_norm per layer + the final one and a gelu (gelu_new) per layer;
-# BERT the embeddings' layer_norm, 2 per layer and a gelu per layer.
-TUNED = {"llama": {"rmsnorm": 5, "silu_mul": 2}, "gpt2": {"layer_norm": 5, "gelu": 2},
-         "bert": {"layer_norm": 5, "gelu": 2}}
+# Regions each tiny model's forge-tunable ops give (2 layers): Llama 2 rmsnorm per layer + the final one;
+# GPT-2 2 layer_norm per layer + the final one; BERT the embeddings' layer_norm and 2 per layer.
+# Every linear / addmm is a linear region with the epilogue that follows it (Llama: q, k, v, o_proj + residual,
+# down_proj + residual per layer, lm_head; GPT-2: c_attn, c_proj + residual, c_fc + gelu_new, c_proj +
+# residual, lm_head; BERT: q, k, v, output + residual, intermediate + gelu, output + residual, the pooler);
+# Llama's gate/up pair is one swiglu.
+TUNED = {"llama": {"rmsnorm": 5, "swiglu": 2, "linear": 11}, "gpt2": {"layer_norm": 5, "linear": 9},
+         "bert": {"layer_norm": 5, "linear": 13}}
 
 
 @pytest.mark.slow

@@ -308,6 +308,57 @@ def test_schema_version_row_and_columns(tmp_path: Path) -> None:
         conn.close()
 
 
+def _downgrade_to_v1(path: Path) -> None:
+    """Rewrite a cache file as schema 1 wrote it (the CHECK admitted kernel and eager only)."""
+    conn = sqlite3.connect(path)
+    with conn:
+        ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'entries'").fetchone()[0]
+        conn.execute("ALTER TABLE entries RENAME TO entries_new")
+        conn.execute("DROP INDEX entries_op")
+        conn.execute(ddl.replace("'kernel', 'torch', 'eager'", "'kernel', 'eager'"))
+        conn.execute("CREATE INDEX entries_op ON entries (op)")
+        conn.execute("INSERT INTO entries SELECT * FROM entries_new")
+        conn.execute("DROP TABLE entries_new")
+        conn.execute("UPDATE schema_version SET version = 1")
+    conn.close()
+
+
+def test_a_version_1_cache_is_read_as_is_and_migrated_on_the_first_write(tmp_path: Path) -> None:
+    """Schema 2 admits decision "torch" (torch's fused op, issue 14). A schema-1 file reads unchanged
+    (a read-only mount keeps working) and its first write rebuilds the table, every entry kept."""
+    path = tmp_path / "forge.db"
+    old = make_entry(make_key("old"), tag="v1")
+    with Cache(path) as c:
+        c.put(old)
+    _downgrade_to_v1(path)
+    with Cache(path, read_only=True) as c:
+        assert c.get(old.key) == old
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+    conn.close()
+    torch_entry = dataclasses.replace(make_entry(make_key("torch"), tag="t"), decision="torch", variant="torch",
+                                      params={}, source=None, source_sha256=None)
+    with Cache(path) as c:
+        c.put(torch_entry)
+        assert c.get(old.key) == old and c.get(torch_entry.key) == torch_entry
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        assert "entries_op" in [r[1] for r in conn.execute("PRAGMA index_list(entries)")]
+        assert {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == {
+            "schema_version", "entries"}
+        with pytest.raises(sqlite3.IntegrityError):  # the CHECK still refuses anything else
+            conn.execute("UPDATE entries SET decision = 'maybe'")
+    finally:
+        conn.close()
+
+
+def test_a_torch_decision_has_no_source(tmp_path: Path) -> None:
+    e = dataclasses.replace(make_entry(make_key("t")), decision="torch", variant="torch", params={})
+    with Cache(tmp_path / "forge.db") as c, pytest.raises(ValueError, match="decides 'torch' but has a kernel source"):
+        c.put(e)
+
+
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "forge.db"
     with Cache(path) as c:

@@ -35,7 +35,8 @@ REALISTIC = {
     "rmsnorm": [(2048, 4096), (8192, 4096)], "softmax": [(2048, 4096)], "log_softmax": [(2048, 4096)],
     "layer_norm": [(2048, 4096)], "gelu": [(2048, 4096)], "silu_mul": [(2048, 14336)],
     "cross_entropy": [(4096, 32000)], "reduce": [(2048, 4096)], "rope": [(1, 32, 2048, 128)],
-    "matmul": [(4096, 4096, 4096)], "sdpa": [(4, 32, 2048, 2048, 128)],
+    "matmul": [(4096, 4096, 4096)], "sdpa": [(4, 32, 2048, 2048, 128)], "pointwise": [(2048, 14336)],
+    "linear": [(2048, 4096, 4096), (1, 4096, 4096)], "swiglu": [(2048, 14336, 4096)],
 }
 # Attribute sets whose specs (and so keys) must not move; every op's defaults are covered too.
 ATTRS = {
@@ -45,6 +46,24 @@ ATTRS = {
     "reduce": [{}, {"kind": "mean"}, {"kind": "amax", "keepdim": True}, {"kind": "argmax"}],
     "rope": [{}], "matmul": [{}], "sdpa": [{}, {"causal": True}, {"causal": True, "kv_heads": 8},
                                            {"scale": 0.125}],
+}
+# Issue 14's linear epilogues and SwiGLU (their own entries, added with the families).
+ATTRS["linear"] = [{}, {"weight": "kn", "bias": "linear", "activation": "gelu_tanh"},
+                   {"bias": "add", "activation": "silu", "scale": 0.5, "residual": True}]
+ATTRS["swiglu"] = [{}]
+# Issue 14's any-dims specs (added after the first golden files: their own entries, the ones above unmoved).
+ATTRS["rmsnorm"] += [{"dims": 2}, {"dim": -2}]
+ATTRS["layer_norm"] += [{"dims": 2}]
+ATTRS["reduce"] += [{"kind": "amin"}, {"kind": "argmin", "dim": -2, "keepdim": True}, {"kind": "sum", "dim": -2}]
+# Issue 14's generated pointwise chains (added later too: its own entries).
+ATTRS["pointwise"] = [{}, {"expr": "add(mul(x0,2.0),relu(x1))"}, {"expr": "add(x0,x1)", "input_shapes": "c;4096"}]
+# Specs rendered besides the default-attribute ones: the variants only their attributes reach (an op's
+# VARIANT_ATTRS) and the trailing-dims forms; keyed with the attributes.
+RENDER_ATTRS = {
+    "rmsnorm": [{"dim": -2}, {"dims": 2}], "layer_norm": [{"dims": 2}],
+    "reduce": [{"dim": -2, "kind": k} for k in ("sum", "mean", "amax", "amin", "argmax", "argmin")]
+    + [{"kind": "amin"}, {"kind": "argmin"}],
+    "pointwise": [{"expr": "where(gt(x0,0.0),x0,mul(tanh(x1),0.01))"}, {"expr": "add(x0,x1)", "input_shapes": "c;33"}],
 }
 FIXED_ENV = {
     "cuda": {"backend": "cuda", "torch": "2.11.0+cu130", "triton": "3.6.0", "forge": "0.1.0",
@@ -88,6 +107,18 @@ def _render_digests(op_name: str) -> dict[str, str]:
                     h.update(cand.key.encode())
                     h.update(hashlib.sha256(codegen.render(op, spec, cand).encode()).digest())
                 out[f"{device}/{dtype}/{'x'.join(map(str, shape))}/{len(set(cands))}"] = h.hexdigest()
+                for attrs in RENDER_ATTRS.get(op_name, []):
+                    try:
+                        spec = mod.make_spec(shape, dtype, device, dict(attrs))
+                    except ValueError:  # e.g. dims=2 of a 1-d shape
+                        continue
+                    cands = {*mod.space(spec).all_points(), mod.default(spec)}
+                    h = hashlib.sha256()
+                    for cand in sorted(cands, key=lambda c: c.key):
+                        h.update(cand.key.encode())
+                        h.update(hashlib.sha256(codegen.render(op, spec, cand).encode()).digest())
+                    tag = json.dumps(attrs, sort_keys=True)
+                    out[f"{device}/{dtype}/{'x'.join(map(str, shape))}/{tag}/{len(cands)}"] = h.hexdigest()
     return out
 
 

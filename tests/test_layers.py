@@ -1,7 +1,7 @@
 """Imports point down (docs/adr/0002-layers.md, docs/architecture.md). Every import statement of
 forge's own code, top-level or inside a function, is read from the AST and checked against the layers:
 
-    0 kit      forge/spec.py, opkit.py, hardware.py, errors.py, _version.py   what op families may use
+    0 kit      forge/spec.py, opkit.py, formulas.py, hardware.py, errors.py, _version.py   what op families may use
     1 ops      kernels/*.py                                                    the op families
     2 runtime  the other modules of forge/                                     spec -> key -> cache -> shim
     3 tuner    forge/tuner/                                                    the tuner as a library
@@ -23,7 +23,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 LAYERS = ("kit", "ops", "runtime", "tuner", "facade", "cli", "main")
-KIT = {"spec", "opkit", "hardware", "errors", "_version"}
+KIT = {"spec", "opkit", "formulas", "hardware", "errors", "_version"}
 CLI_ONLY = {"typer", "rich"}
 
 

@@ -336,3 +336,34 @@ def test_cli_time_budget_spent_skips_every_job_and_exits_0(tmp_path):
     assert res.exit_code == 0, res.output
     assert res.stdout.count("skipped: time budget") == 3, res.stdout
     assert "3 job(s) not started" in res.output and "estimated end-to-end speedup" in res.stdout
+
+
+def test_every_attribute_a_spec_carries_round_trips_through_a_manifest(tmp_path):
+    """What `forge trace --write-manifest` writes (a spec's attrs: defaults, optional ones such as form,
+    dims, dim, input_shapes, scale, and the layout) a manifest reads back to the same spec, for every
+    built-in op and every attribute set the golden tests use. An attribute missing from an op's
+    DEFAULT_ATTRS / OPTIONAL_ATTRS would make the manifest refuse the entry."""
+    from forge import ops
+    from forge.spec import DTYPES
+    from forge.tuner import manifest
+    from tests import test_golden as g
+
+    seen = 0
+    for op_name, shape, dtype, attrs, _backend in g._key_cases():
+        if dtype != DTYPES[0] or _backend != "interpreter":
+            continue
+        mod = ops.get(op_name).module
+        try:
+            spec = mod.make_spec(tuple(shape), dtype, "cpu", dict(attrs))
+        except ValueError:
+            continue  # a refused spec (part of the golden record) has nothing to write
+        shape_text = "x".join(map(str, mod.problem_shape(spec) if hasattr(mod, "problem_shape") else shape))
+        path = tmp_path / f"{seen}.toml"
+        path.write_text(manifest.dumps([{"op": op_name, "shapes": [shape_text], "dtype": dtype,
+                                         **{k: v for k, v in spec.attrs.items() if v is not None}}],
+                                       {"device": "cpu"}))
+        (job,) = manifest.load(path).jobs
+        again = mod.make_spec(job.shape, job.dtype, "cpu", job.attrs)
+        assert again == spec, (op_name, shape, attrs)
+        seen += 1
+    assert seen > 50

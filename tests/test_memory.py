@@ -48,13 +48,20 @@ def chunk_budget(monkeypatch):
 # (problem shape, attrs) per op: tails, leading dims, a single column, GQA and causal with Sq != Skv.
 ROWS = [((3, 37), {}), ((2, 3, 33), {}), ((7, 1), {}), ((5, 300), {})]
 CASES = {
-    "softmax": ROWS, "log_softmax": ROWS, "rmsnorm": ROWS, "layer_norm": ROWS, "silu_mul": ROWS,
-    "gelu": ROWS + [((4, 33), {"approximate": "tanh"})],
+    "softmax": ROWS, "log_softmax": ROWS, "layer_norm": ROWS + [((2, 3, 5, 7), {"dims": 2})],
+    "rmsnorm": ROWS + [((2, 3, 5, 7), {"dims": 3}), ((2, 5, 3, 7), {"dim": -3}), ((3, 37), {"form": "fused"})],
+    "silu_mul": ROWS + [((3, 37), {"form": "formula"})],
+    "gelu": ROWS + [((4, 33), {"approximate": "tanh"}), ((4, 33), {"approximate": "tanh", "form": "formula"})],
+    "pointwise": ROWS + [((4, 33), {"expr": "add(x0,mul(x1,2.0))", "input_shapes": "c;33"}),
+                         ((3, 37), {"expr": "where(gt(x0,0.0),x0,mul(tanh(x1),0.01))"})],
     "reduce": ROWS + [((5, 30), {"kind": "mean"}), ((2, 3, 17), {"kind": "amax", "keepdim": True}),
                       ((6, 19), {"kind": "argmax"}), ((2, 3, 19), {"kind": "argmax", "keepdim": True})],
     "cross_entropy": [((6, 11), {}), ((37, 5), {"reduction": "sum"}), ((9, 7), {"reduction": "none"}),
                       ((8, 13), {"ignore_index": 3})],
     "matmul": [((5, 7, 9), {}), ((2, 5, 7, 9), {}), ((33, 17, 40), {})],
+    "linear": [((5, 7, 9), {}), ((2, 5, 7, 9), {"weight": "kn", "bias": "linear", "activation": "gelu_tanh",
+                                               "residual": True})],
+    "swiglu": [((5, 7, 9), {}), ((2, 5, 7, 9), {})],
     "rope": [((2, 3, 5, 16), {}), ((1, 2, 7, 8), {})],
     "sdpa": [((1, 2, 5, 7, 16), {}), ((2, 4, 9, 13, 16), {"kv_heads": 2, "causal": True}),
              ((1, 2, 33, 17, 32), {"causal": True}), ((1, 1, 17, 33, 8), {"causal": True})],
@@ -132,7 +139,9 @@ BOUND_CASES = {
     "layer_norm": ((64, 96), {}), "gelu": ((64, 96), {}), "silu_mul": ((64, 96), {}),
     "reduce": ((64, 96), {"kind": "argmax"}), "cross_entropy": ((64, 96), {}),
     "matmul": ((64, 96, 48), {}), "rope": ((2, 4, 32, 32), {}),
+    "linear": ((64, 96, 48), {"bias": "linear", "residual": True}), "swiglu": ((64, 96, 48), {}),
     "sdpa": ((1, 2, 128, 96, 16), {"causal": True}),
+    "pointwise": ((64, 96), {"expr": "add(x0,mul(x1,2.0))", "input_shapes": "c;96"}),
 }
 
 

@@ -239,17 +239,21 @@ def test_the_optional_names_are_not_required():
 BUILTIN_DEFAULTED = {
     "cross_entropy": {"fill_missing", "tolerance"},  # its oracle returns inf where the output dtype overflows
     "gelu": {"fill_missing", "tolerance"},  # oracle rounded once to the output dtype
-    "layer_norm": {"oracle", "tolerance"},  # fills in w = 1, b = 0
+    "layer_norm": {"tolerance"},  # fills in w = 1, b = 0; its oracle views several trailing dims as rows
     "log_softmax": {"fill_missing", "oracle", "tolerance"},
     "matmul": {"fill_missing", "oracle"},  # tolerance grows with K
+    "linear": {"fill_missing"},  # oracle in row x column blocks (bias, residual sliced along); tolerance grows with K
+    "swiglu": {"fill_missing"},  # oracle in row x column blocks of both weights; tolerance of two GEMMs
+    "pointwise": {"fill_missing", "tolerance"},  # oracle: float64, rounded once; tolerance_for: the casts'
     "reduce": {"fill_missing", "tolerance"},  # oracle: rounded once, argmax's first-index rule
-    "rmsnorm": {"oracle", "tolerance"},  # fills in w = 1
+    "rmsnorm": {"tolerance"},  # fills in w = 1; its oracle views trailing dims / one dim as rows
     "rope": {"fill_missing", "oracle", "tolerance"},
     "sdpa": {"fill_missing"},  # its own oracle (written out) and tolerance
     "silu_mul": {"fill_missing", "tolerance"},  # oracle rounded once to the output dtype
     "softmax": {"fill_missing", "oracle", "tolerance"},
 }
-SMALL = {"matmul": (5, 7, 9), "sdpa": (1, 2, 5, 7, 16), "rope": (1, 2, 5, 16), "cross_entropy": (6, 11)}
+SMALL = {"linear": (5, 7, 9), "swiglu": (2, 3, 7, 9),
+         "matmul": (5, 7, 9), "sdpa": (1, 2, 5, 7, 16), "rope": (1, 2, 5, 16), "cross_entropy": (6, 11)}
 
 
 def _builtin_names() -> list[str]:

@@ -16,7 +16,7 @@ from forge.loader import load_module, write_source
 from forge.opkit import Candidate
 from forge.trace import canonical
 from forge.tuner import stats
-from forge.tuner.validate import check_candidate
+from forge.tuner.validate import check_candidate, compare
 from tests.conftest import DEVICE, HAS_CUDA
 
 SEED = 7
@@ -222,7 +222,11 @@ def _id(fn) -> str:
 @pytest.mark.parametrize(("fn", "mode"), SPELLINGS,
                          ids=[_id(s.values[0] if hasattr(s, "values") else s[0]) for s in SPELLINGS])
 def test_spellings_match_gelu(fn, mode):
-    assert MOD.match(canonical(fn, (X,), {}).expr) == ([0], {"approximate": mode})
+    # A written-out formula is recorded as such (form="formula"): the search's baseline is then that formula
+    # as the user runs it, with torch's F.gelu one more candidate (forge/fused.py).
+    called = fn in (gelu_default, gelu_tanh_kw, gelu_none_kw) or isinstance(fn, torch.nn.GELU)
+    want = {"approximate": mode} if called else {"approximate": mode, "form": "formula"}
+    assert MOD.match(canonical(fn, (X,), {}).expr) == ([0], want)
     e = forge.explain(forge.optimize(fn, interpreter=True), X)
     assert e.op == "gelu" and e.uses == "eager" and e.reason == "cache miss: would search"
 
@@ -233,7 +237,7 @@ def test_matcher_reads_an_expanded_pow():
     cube = ("mul", ("const", 0.044715), x, x, x)
     expr = ("mul", ("add", ("const", 1), ("tanh", ("mul", ("add", x, cube), ("const", math.sqrt(2 / math.pi))))),
             ("const", 0.5), x)
-    assert MOD.match(expr) == ([0], {"approximate": "tanh"})
+    assert MOD.match(expr) == ([0], {"approximate": "tanh", "form": "formula"})
 
 
 def wrong_erf_scale(x):
@@ -289,7 +293,8 @@ def test_near_misses_do_not_match(fn):
     assert MOD.match(canonical(fn, args, {}).expr) is None
     f = forge.optimize(fn, interpreter=True, warn=False)
     e = forge.explain(f, *args)
-    assert e.uses == "eager" and e.op is None and "no op family matches" in e.reason
+    # Not gelu; an elementwise chain, which the generic pointwise family takes as written.
+    assert e.uses == "eager" and e.op == "pointwise" and e.reason == "cache miss: would search"
     assert torch.equal(f(*args), fn(*args))
 
 
@@ -325,3 +330,22 @@ def test_decorated_call_equals_eager_after_search(fn, mode, monkeypatch):
     torch.testing.assert_close(y, fn(x), rtol=1e-5, atol=1e-6)
     # the same signature again: the bound kernel, same values
     assert torch.equal(f(x), y)
+
+
+@pytest.mark.parametrize("mode", ["none", "tanh"])
+def test_form_formula_runs_the_formula_as_written_and_keys_apart(mode):
+    """form="formula": the reference (the search's baseline) is the user's written-out formula, equal to the
+    oracle within the tolerance; the fused-call spec and the formula spec are different specs and keys."""
+    from forge import key as keys
+
+    spec = MOD.make_spec((3, 37), "float32", "cpu", {"approximate": mode, "form": "formula"})
+    assert spec.attrs == {"approximate": mode, "form": "formula"}
+    (x,) = MOD.make_inputs(spec, 0, "normal")
+    ref = MOD.reference((x,), spec.attrs)
+    assert not torch.equal(ref, torch.nn.functional.gelu(x, approximate=mode)) or mode == "none"
+    assert compare(ref, MOD.oracle((x,), spec.attrs), MOD.tolerance("float32")) is None
+    fused = MOD.make_spec((3, 37), "float32", "cpu", {"approximate": mode})
+    op = ops.get("gelu")
+    assert keys.locate(op, spec, "interpreter", None).key != keys.locate(op, fused, "interpreter", None).key
+    with pytest.raises(ValueError, match="form='sketch'"):
+        MOD.make_spec((3,), "float32", "cpu", {"form": "sketch"})

@@ -228,8 +228,9 @@ def test_make_spec_normalises_and_refuses():
         "kind": "argmax", "keepdim": True, "dim": -1}
     assert mk((4, 8), "float16", "cpu", {"dim": 1}).attrs["dim"] == -1
     assert mk((4, 8), "float16", "cpu", {"dtype": "float16"}).attrs == {"kind": "sum", "keepdim": False, "dim": -1}
-    for attrs, needle in [({"dim": 0}, "last dimension only"), ({"dim": None}, "all dimensions"),
-                          ({"dim": ()}, "all dimensions"), ({"dim": (0, 1)}, "last dimension only"),
+    assert mk((4, 8), "float16", "cpu", {"dim": 0}).attrs["dim"] == -2  # any one dim (tests/test_any_dims.py)
+    for attrs, needle in [({"dim": 2}, "not one dimension"), ({"dim": None}, "all dimensions"),
+                          ({"dim": ()}, "all dimensions"), ({"dim": (0, 1)}, "one dimension, not dim"),
                           ({"kind": "min"}, "kind must be one of"), ({"dtype": "float32"}, "dtype=float32"),
                           ({"keepdim": "maybe"}, "keepdim"), ({"eps": 1.0}, r"not \['eps'\]")]:
         with pytest.raises(ValueError, match=needle):
@@ -288,8 +289,7 @@ def test_kinds_have_distinct_cache_keys():
 @pytest.mark.parametrize("fn,needle", [
     (lambda x: x.sum(-1, dtype=torch.float64), "reduce does not support this call: dtype=float64"),
     (lambda x: x.mean(-1, dtype=torch.float64), "dtype=float64"),
-    (lambda x: x.sum(0), "last dimension only"),
-    (lambda x: x.amax(0, keepdim=True), "last dimension only"),
+    (lambda x: x.sum((0, 1)), "one dimension, not dim=(-2, -1)"),
     (lambda x: x.sum(), "all dimensions"),
     (lambda x: x.argmax(), "all dimensions"),
     (lambda x: x.amax(), "all dimensions"),

@@ -73,7 +73,7 @@ def test_make_spec():
     with pytest.raises(ValueError, match="inplace=True"):
         MOD.make_spec((2, 5), "bfloat16", "cuda", {"inplace": True})
     assert MOD.make_spec((2, 5), "float32", "cpu", {"inplace": False}).attrs == {}
-    with pytest.raises(ValueError, match="takes no attributes"):
+    with pytest.raises(ValueError, match="takes only the attribute form"):
         MOD.make_spec((2, 5), "float32", "cpu", {"alpha": 2.0})
 
 
@@ -156,7 +156,9 @@ B = torch.randn(4, 24)
     (explicit_sigmoid, [0, 1]), (torch_silu, [0, 1]), (b_first, [1, 0]), (gate_of_b, [1, 0]),
 ], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_spellings_match_silu_mul(fn, indices):
-    assert MOD.match(canonical(fn, (A, B), {}).expr) == (indices, {})
+    # the sigmoid written out is recorded as such: the baseline runs it so, F.silu(a) * b competes
+    formula = fn in (sigmoid_form, sigmoid_method_form, explicit_sigmoid, gate_of_b)
+    assert MOD.match(canonical(fn, (A, B), {}).expr) == (indices, {"form": "formula"} if formula else {})
     e = forge.explain(forge.optimize(fn, interpreter=True), A, B)
     assert e.op == "silu_mul" and e.uses == "eager" and e.reason == "cache miss: would search"
 
@@ -192,7 +194,10 @@ def test_non_matches_fall_back(fn):
     assert MOD.match(canonical(fn, (A, B), {}).expr) is None
     f = forge.optimize(fn, interpreter=True, warn=False)
     e = forge.explain(f, A, B)
-    assert e.uses == "eager" and e.op is None and "no op family matches" in e.reason
+    if "silu" in fn.__name__:  # F.silu inside a larger expression: no family's
+        assert e.uses == "eager" and e.op is None and "no op family matches" in e.reason
+    else:  # not silu_mul; an elementwise chain, which the generic pointwise family takes as written
+        assert e.uses == "eager" and e.op == "pointwise" and e.reason == "cache miss: would search"
     assert torch.equal(f(A, B), fn(A, B))
 
 
@@ -226,3 +231,14 @@ def test_decorated_call_equals_eager_after_search(fn, monkeypatch):
     assert e.uses == "kernel" and e.op == "silu_mul" and e.variant in MOD.TEMPLATES
     torch.testing.assert_close(y, fn(x, z), rtol=1e-5, atol=1e-6)
     assert torch.equal(f(x, z), y)
+
+
+def test_form_formula_is_the_users_sigmoid_spelling():
+    spec = MOD.make_spec((3, 37), "float32", "cpu", {"form": "formula"})
+    a, b = MOD.make_inputs(spec, 0, "normal")
+    ref = MOD.reference((a, b), spec.attrs)
+    assert torch.allclose(ref, a * torch.sigmoid(a) * b, rtol=0, atol=0)
+    assert torch.allclose(ref, F.silu(a) * b, rtol=1e-6, atol=1e-7)
+    assert MOD.make_spec((3,), "float32", "cpu").attrs == {}
+    with pytest.raises(ValueError, match="form='fancy'"):
+        MOD.make_spec((3,), "float32", "cpu", {"form": "fancy"})

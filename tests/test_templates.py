@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from forge import codegen, ops
+from forge import codegen, opkit, ops
 from forge.loader import load_module, write_source
 from forge.opkit import ROW_VARIANTS, Candidate, next_pow2, rows_cols
 from forge.spec import DTYPES
@@ -100,6 +100,8 @@ def candidates_for(op_name: str, shape: tuple[int, ...]) -> list[Candidate]:
     if hasattr(op.module, "test_candidates"):
         return list(op.module.test_candidates(op.module.make_spec(shape, "float32", DEVICE)))
     for variant in op.module.TEMPLATES:
+        if variant in getattr(op.module, "VARIANT_ATTRS", {}):  # run under its attributes (ATTR_CASES)
+            continue
         if variant in ROW_VARIANTS:
             out.extend(row_candidates(variant, shape))
         else:
@@ -123,6 +125,35 @@ def _cases():
 
 CASES = _cases()
 
+# Variants only specs with some attributes reach (an op's VARIANT_ATTRS: the "strided" variants over a
+# non-last dim): run on their own masking shapes, as (outer, R, inner) for dim=-2: a reduced dim of 1, 7,
+# 300 and 1000 (partial last R blocks), an inner of 1, 33 (a partial last tile), a single outer.
+ATTR_SHAPES = [(1, 1), (1, 7), (7, 1), (3, 7, 33), (2, 300, 3), (1, 1000, 2)]
+
+
+def attr_candidates(op_name: str, variant: str, shape: tuple[int, ...]) -> list[Candidate]:
+    """Blocks that leave a partial last block of R and of inner, and one that holds all of R (up to 64)."""
+    spec = ops.get(op_name).module.make_spec(shape, "float32", DEVICE, ops.get(op_name).module.VARIANT_ATTRS[variant])
+    _, r, inner = opkit.outer_r_inner(spec.inputs[0].shape, spec.attrs["dim"])
+    return [Candidate.make(variant, BLOCK_R=looped_block(r), BLOCK_I=looped_block(inner), num_warps=1),
+            Candidate.make(variant, BLOCK_R=min(64, next_pow2(r)), BLOCK_I=min(16, next_pow2(inner)), num_warps=2)]
+
+
+def _attr_cases():
+    cases = []
+    for op_name in OP_NAMES:
+        for variant, attrs in getattr(ops.get(op_name).module, "VARIANT_ATTRS", {}).items():
+            for shape in ATTR_SHAPES:
+                for cand in attr_candidates(op_name, variant, shape):
+                    for dtype in DTYPES:
+                        sid = "x".join(map(str, shape))
+                        cases.append(pytest.param(op_name, shape, dtype, cand, attrs,
+                                                  id=f"{op_name}-{cand.label}-{sid}-{dtype}"))
+    return cases
+
+
+ATTR_CASES = _attr_cases()
+
 
 def _load(op, spec, cand, tmp_path, mutate=None):
     src = codegen.render(op, spec, cand)
@@ -143,10 +174,20 @@ def test_variant_matches_oracle(op_name, shape, dtype, cand, tmp_path):
     assert reason is None, f"{cand.label} on {shape} {dtype}: {reason}"
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize(("op_name", "shape", "dtype", "cand", "attrs"), ATTR_CASES)
+def test_attr_variant_matches_oracle(op_name, shape, dtype, cand, attrs, tmp_path):
+    op = ops.get(op_name)
+    spec = op.module.make_spec(shape, dtype, DEVICE, dict(attrs))
+    module = _load(op, spec, cand, tmp_path)
+    reason = check_candidate(op.module, module, spec, SEED, _sync)
+    assert reason is None, f"{cand.label} on {shape} {dtype} {attrs}: {reason}"
+
+
 def test_every_variant_of_every_op_is_run():
     assert {"rmsnorm", "softmax"} <= set(OP_NAMES)
     for op_name in OP_NAMES:
-        covered = {c.values[3].variant for c in CASES if c.values[0] == op_name}
+        covered = {c.values[3].variant for c in [*CASES, *ATTR_CASES] if c.values[0] == op_name}
         assert covered == set(ops.get(op_name).module.TEMPLATES), op_name
         # all three dtypes are run on every shape
         first = shapes_for(op_name)[0]
@@ -265,10 +306,15 @@ def test_every_point_of_a_mid_space_renders(op_name, device):
     op = ops.get(op_name)
     # MID_SHAPE: an op whose problem shape is not rows x columns names its own (matmul: M, N, K).
     spec = op.module.make_spec(getattr(op.module, "MID_SHAPE", (64, 1000)), "float16", device)
-    points = list(op.module.space(spec).all_points())
+    specs = [(spec, cand) for cand in op.module.space(spec).all_points()]
+    # variants only some attributes reach (VARIANT_ATTRS), at (64, 1000) under those attributes
+    for attrs in getattr(op.module, "VARIANT_ATTRS", {}).values():
+        other = op.module.make_spec(getattr(op.module, "MID_SHAPE", (64, 1000)), "float16", device, dict(attrs))
+        specs += [(other, cand) for cand in op.module.space(other).all_points()]
+    points = [cand for _, cand in specs]
     assert {c.variant for c in points} == set(op.module.TEMPLATES)
     sources = set()
-    for cand in points:
+    for spec, cand in specs:
         src = codegen.render(op, spec, cand)
         compile(src, f"<{cand.label}>", "exec")  # valid Python
         assert f"forge_{op_name}_{cand.variant}" in src

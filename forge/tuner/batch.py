@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from forge import key as keys
-from forge.cache import Cache, CacheError
+from forge.cache import WINNING, Cache, CacheError
 from forge.errors import ExitCode, ForgeError, UsageError
 from forge.tuner import engine
 from forge.tuner.manifest import Job
@@ -128,7 +128,7 @@ def by_share(jobs: list[Job]) -> list[Job]:
 def job_speedup(res: JobResult | None) -> float:
     """What a job contributes to the end-to-end estimate: its kernel's speedup; 1 for an eager decision,
     a failed, skipped or not yet run job."""
-    if res is None or res.decision != "kernel" or not res.speedup:
+    if res is None or res.decision not in WINNING or not res.speedup:
         return 1.0
     return res.speedup
 
@@ -211,7 +211,7 @@ def _run_devices(jobs, cache: Cache, device, workers, force, devices: list[int],
 def _result_from_entry(job: Job, entry) -> JobResult:
     res = _base(job, "cached")
     res.decision, res.key = entry.decision, entry.key
-    if entry.decision == "kernel":
+    if entry.decision in WINNING:
         res.winner = f"{entry.variant}({', '.join(f'{k}={v}' for k, v in (entry.params or {}).items())})"
         res.p50_us = (entry.winner or {}).get("p50")
     res.eager_p50_us = (entry.baseline or {}).get("p50")

@@ -52,7 +52,7 @@ from typing import Any
 from forge import key as keys
 from forge import ops
 from forge._version import __version__
-from forge.cache import DECISIONS, SCHEMA_VERSION, Cache, Entry
+from forge.cache import DECISIONS, SCHEMA_VERSION, WINNING, Cache, Entry
 from forge.errors import UsageError
 from forge.loader import source_sha256
 from forge.spec import KernelSpec
@@ -181,6 +181,8 @@ def check_integrity(entry: Entry) -> None:
     if entry.decision == "kernel":
         if entry.source is None or entry.variant is None or entry.params is None:
             raise Rejected("a kernel decision without source, variant or params")
+    elif entry.source is not None:  # torch and eager decisions run no forge source
+        raise Rejected(f"a {entry.decision} decision that carries a kernel source")
     if entry.source is not None and not keys.source_intact(entry):
         raise Rejected("source does not match its source_sha256 (damaged or edited)")
 
@@ -274,8 +276,8 @@ def check_metadata(entry: Entry, now: float) -> None:
     problem = quantiles_problem("winner", entry.winner) or quantiles_problem("baseline", entry.baseline)
     if problem is not None:
         raise Rejected(problem)
-    if entry.decision == "kernel" and (entry.winner is None or entry.baseline is None):
-        raise Rejected("a kernel decision without winner and baseline quantiles")
+    if entry.decision in WINNING and (entry.winner is None or entry.baseline is None):
+        raise Rejected(f"a {entry.decision} decision without winner and baseline quantiles")
     if entry.decision == "eager" and entry.winner is not None:
         raise Rejected("an eager decision with winner quantiles")
     if not math.isfinite(entry.search_seconds) or entry.search_seconds < 0:

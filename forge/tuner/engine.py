@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge import codegen
+from forge import codegen, fused
 from forge import key as keys
 from forge._version import __version__
-from forge.cache import Cache, Entry
+from forge.cache import WINNING, Cache, Entry
 from forge.errors import EnvironmentProblem, UsageError
 from forge.loader import source_sha256, write_source
 from forge.opkit import Candidate
@@ -34,6 +34,7 @@ from forge.tuner import memory, stats, strategy
 from forge.tuner.lock import device_lock
 from forge.tuner.pool import Pool, capped_size, default_size
 from forge.tuner.status import Status
+from forge.tuner.validate import TORCH_OP_PATH, TORCH_OP_VARIANT
 from forge.tuner.worker import CANDIDATE
 
 Events = Callable[..., None]
@@ -68,6 +69,9 @@ class SearchOptions:
     workers: int | None = None
     finalists: int = 3
     deadline: float | None = None  # time.monotonic() after which no candidate starts validating or timing
+    # torch's fused op (forge/fused.py) as a candidate where the spec's reference is not already that call;
+    # FORGE_TORCH_OPS=0 leaves it out (decisions are then kernel or eager only, e.g. to export kernels).
+    torch_op: bool = field(default_factory=lambda: os.environ.get("FORGE_TORCH_OPS", "1") != "0")
 
 
 @dataclass
@@ -79,6 +83,7 @@ class CandidateResult:
     path: str | None = None
     screen: stats.Quantiles | None = None
     final: stats.Quantiles | None = None
+    label: str | None = None  # the torch-op candidate: which torch call it is (forge/fused.py)
 
     @property
     def best_quantiles(self) -> stats.Quantiles | None:
@@ -88,6 +93,7 @@ class CandidateResult:
         q = self.best_quantiles
         return {
             **self.candidate.to_dict(),
+            **({"label": self.label} if self.label else {}),
             "status": self.status,
             "reason": self.reason,
             "sha256": self.sha256,
@@ -103,7 +109,7 @@ class SearchReport:
     spec: KernelSpec
     env: dict[str, Any]
     key: str
-    decision: str  # "kernel" | "eager" | "none" (every candidate failed; nothing cached)
+    decision: str  # "kernel" | "torch" (torch's fused op) | "eager" | "none" (every candidate failed; nothing cached)
     cache_hit: bool
     seconds: float
     winner: dict[str, Any] | None = None  # {"variant", "params", "quantiles"}
@@ -157,7 +163,7 @@ class SearchReport:
 
 def _report_from_entry(entry: Entry, spec: KernelSpec, cache: Cache, seconds: float) -> SearchReport:
     winner = None
-    if entry.decision == "kernel":
+    if entry.decision in WINNING:
         winner = {"variant": entry.variant, "params": entry.params, "quantiles": entry.winner}
     return SearchReport(
         op=entry.op, spec=spec, env=entry.env, key=entry.key, decision=entry.decision, cache_hit=True,
@@ -440,6 +446,31 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
             raise mem.problem("validating a candidate (forge's inputs, float64 oracle or comparison)",
                               next(iter(forge_oom.values())))
 
+    def time_baseline() -> stats.Quantiles:
+        reply = pool.call({"cmd": "time", "paths": [], "baseline": True,
+                           "reps": sampling.screen_reps, "settle_ms": sampling.settle_ms},
+                          opts.timeout)
+        if reply["status"] == Status.OOM:
+            raise mem.problem("making the timing sets" if reply.get("stage") == "timing"
+                              else "timing the eager baseline", reply)
+        if reply["status"] != Status.OK:
+            raise EnvironmentProblem(f"timing the eager baseline failed: {reply.get('reason')}")
+        q = stats.Quantiles.of(reply["samples"]["eager"])
+        emit("baseline", quantiles=q)
+        return q
+
+    def screen(r: CandidateResult) -> None:
+        reply = pool.call({"cmd": "time", "paths": [r.path], "reps": sampling.screen_reps}, opts.timeout)
+        if _forge_oom(reply):
+            raise mem.problem("timing (forge's timing sets)", reply)
+        if reply["status"] == Status.OK:
+            r.screen = stats.Quantiles.of(reply["samples"][r.path])
+        else:  # it validated but failed while being timed (e.g. graph capture, timeout)
+            r.status, r.reason = reply["status"], reply.get("reason")
+            if r.status == Status.OOM:
+                r.reason = (r.reason or "out of memory") + mem.note()
+        emit("timed", result=r)
+
     try:
         while len(results) < opts.budget:
             batch = strat.propose(space, results, opts.budget - len(results))
@@ -478,16 +509,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 stopped = stopped or bool(untimed) or more
                 break
             if baseline is None:
-                reply = pool.call({"cmd": "time", "paths": [], "baseline": True,
-                                   "reps": sampling.screen_reps, "settle_ms": sampling.settle_ms},
-                                  opts.timeout)
-                if reply["status"] == Status.OOM:
-                    raise mem.problem("making the timing sets" if reply.get("stage") == "timing"
-                                      else "timing the eager baseline", reply)
-                if reply["status"] != Status.OK:
-                    raise EnvironmentProblem(f"timing the eager baseline failed: {reply.get('reason')}")
-                baseline = stats.Quantiles.of(reply["samples"]["eager"])
-                emit("baseline", quantiles=baseline)
+                baseline = time_baseline()
             for cand in batch:
                 r = results[cand]
                 if r.status != Status.OK:
@@ -495,20 +517,24 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 if out_of_time():
                     r.reason, stopped = "not timed: the time budget ran out", True
                     continue
-                reply = pool.call({"cmd": "time", "paths": [r.path], "reps": sampling.screen_reps},
-                                  opts.timeout)
-                if _forge_oom(reply):
-                    raise mem.problem("timing (forge's timing sets)", reply)
-                if reply["status"] == Status.OK:
-                    r.screen = stats.Quantiles.of(reply["samples"][r.path])
-                else:  # it validated but failed while being timed (e.g. graph capture, timeout)
-                    r.status, r.reason = reply["status"], reply.get("reason")
-                    if r.status == Status.OOM:
-                        r.reason = (r.reason or "out of memory") + mem.note()
-                emit("timed", result=r)
+                screen(r)
             lap("time")
             if stopped:
                 break
+
+        # torch's fused op (forge/fused.py), where the spec's eager reference is not already that call: one
+        # more candidate, outside the budget, validated and timed like the others (issue 14: the user's code
+        # is the baseline; torch's op and forge's kernels compete to replace it).
+        torch_op = fused.candidate(op.name, spec.attrs) if opts.torch_op else None
+        if torch_op is not None and not out_of_time():
+            cand = Candidate.make(TORCH_OP_VARIANT)
+            r = results[cand] = CandidateResult(cand, path=TORCH_OP_PATH, label=torch_op.label)
+            validate([cand])
+            if r.status == Status.OK and not out_of_time():
+                if baseline is None:
+                    baseline = time_baseline()
+                screen(r)
+            lap("time")
 
         decision, winner, source, baseline = _decide(pool, results, baseline, sampling, opts, emit, mem)
         lap("final")
@@ -536,7 +562,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     if winner is not None:
         report.winner = {"variant": winner.candidate.variant, "params": winner.candidate.p,
                          "quantiles": winner.final.to_dict()}
-    if decision == "kernel" or (decision == "eager" and cut_short is None):
+    if decision in WINNING or (decision == "eager" and cut_short is None):
         cache.put(Entry(
             key=key, op=op.name, spec=spec.to_dict(), env=env, decision=decision,
             variant=winner.candidate.variant if winner else None,
@@ -562,6 +588,11 @@ def _decide(pool: Pool, results: dict[Candidate, CandidateResult], baseline, sam
     if not timed:
         return "none", None, None, baseline
     finalists = timed[: opts.finalists]
+    torch_op = next((r for r in timed if r.path == TORCH_OP_PATH), None)
+    if torch_op is not None and torch_op not in finalists:
+        # torch's op is always in the final: it is what replaces the user's code when no kernel is clearly
+        # better, so it must be measured under the final's conditions too.
+        finalists.append(torch_op)
     emit("finalists", results=finalists)
     while finalists:
         reply = pool.call({"cmd": "time", "paths": [r.path for r in finalists], "baseline": True,
@@ -589,4 +620,6 @@ def _decide(pool: Pool, results: dict[Candidate, CandidateResult], baseline, sam
     emit("decided", accepted=accepted, best=best, baseline=baseline)
     if not accepted:
         return "eager", None, None, baseline
+    if best.path == TORCH_OP_PATH:  # torch's fused op beats the code as written and every kernel
+        return "torch", best, None, baseline
     return "kernel", best, Path(best.path).read_text(), baseline

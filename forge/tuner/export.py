@@ -52,6 +52,9 @@ def check_exportable(entry: Entry, what: str) -> None:
     """Only a kernel decision that passes forge/key.py verify_entry: its source intact, its spec, variant
     and params a point of the installed op's space, and its source what the installed templates render
     for them (an entry imported with --trust, or edited in the DB, is refused)."""
+    if entry.decision == "torch":
+        raise NotExportable(f"{what}: the cached decision is torch's own fused op (faster than every forge kernel "
+                            "tried), so there is no forge kernel to export; call that op in your code")
     if entry.decision != "kernel":
         raise NotExportable(f"{what}: the cached decision is eager (no candidate beat eager by the required "
                             "margin), so there is no kernel to export")

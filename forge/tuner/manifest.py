@@ -291,7 +291,7 @@ def parse(doc: dict[str, Any], path: str | os.PathLike, *, cli: Mapping[str, Any
                 raise ManifestError(f"{where}: field '{k}' is run-wide: set it in [defaults] or on the command line")
         # "strides" (an input layout, forge/opkit.py) is forge's attribute: the op's make_spec says whether it
         # takes that layout.
-        attr_names = set(opmod.DEFAULT_ATTRS) | {opkit.STRIDES}
+        attr_names = set(opmod.DEFAULT_ATTRS) | set(getattr(opmod, "OPTIONAL_ATTRS", ())) | {opkit.STRIDES}
         unknown = sorted(set(entry) - set(ENTRY_FIELDS) - attr_names)
         if unknown:
             raise ManifestError(f"{where}: unknown field(s) {', '.join(shown(u, 40) for u in unknown[:10])}; "

@@ -67,6 +67,14 @@ class Bench:
 
         return f
 
+    def call_fn(self, call) -> Callable[[int], None]:
+        """A candidate given as a call (inputs -> tensor: torch's fused op, forge/fused.py)."""
+
+        def f(i: int) -> None:
+            call(self.inputs[i])
+
+        return f
+
     def baseline_fn(self) -> Callable[[int], None]:
         ref, attrs = self.opmod.reference, self.spec.attrs
 

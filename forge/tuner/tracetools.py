@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from forge import ops
+from forge.cache import WINNING
 from forge.errors import EnvironmentProblem, UsageError
 from forge.regions import Region, Unmatched, find_regions, param_names
 from forge.spec import DTYPES, dtype_name
@@ -307,7 +308,7 @@ def annotate_with_cache(result: TraceResult, cache, backend: str) -> None:
         spec = fam.module.make_spec(r.shape, r.dtype, keys.spec_device(backend), r.attrs)
         entry = cache.get(keys.locate(fam, spec, backend).key)
         if entry is not None:
-            r.decision, r.speedup = entry.decision, (entry.speedup if entry.decision == "kernel" else 1.0)
+            r.decision, r.speedup = entry.decision, (entry.speedup if entry.decision in WINNING else 1.0)
 
 
 # -- manifest --------------------------------------------------------------------------------------
@@ -591,9 +592,10 @@ def verify(result: TraceResult, cache, backend: str, iters: int = 20) -> dict[st
         if seen is None:
             status[r.index] = "not run (the backend's capture did not reach this region)"
         else:
-            status[r.index] = "kernel" if seen.uses == "kernel" else f"eager ({seen.reason})"
+            status[r.index] = seen.uses if seen.uses in ("kernel", "torch") else f"eager ({seen.reason})"
     doc = {**cmp, "eager_us": eager_us, "forge_us": forge_us, "speedup": eager_us / forge_us if forge_us else None,
            "regions": {str(k): v for k, v in status.items()}, "graphs": report.graphs, "swapped": report.kernels,
+           "torch_ops": report.torch_ops,
            "clock": "host wall time per call (the forge run under TorchDynamo)"}
     if device is not None:
         doc.update(device)

@@ -13,6 +13,23 @@ class CandidateRaised(Exception):
     """The candidate's own code (its launch or kernel) raised; `__cause__` holds the original."""
 
 
+# The "path" of the torch-op candidate (forge/fused.py): not a rendered file; workers run torch's fused op
+# for it, validated and timed like any candidate.
+TORCH_OP_PATH = "<torch op>"
+TORCH_OP_VARIANT = "torch"
+
+
+def run_call(call, inputs, sync):
+    """Run a candidate given as a call (inputs -> a new tensor: torch's fused op) once; its exceptions are
+    the candidate's failure."""
+    try:
+        out = call(inputs)
+        sync()
+    except Exception as exc:  # noqa: BLE001 - torch's op may raise anything for a spec it cannot take
+        raise CandidateRaised(str(exc)) from exc
+    return out
+
+
 def run_candidate(opmod, module, inputs, out, attrs, sync) -> None:
     """Run the candidate once. Anything it raises is the candidate's failure, not forge's."""
     try:
@@ -134,8 +151,9 @@ def poison(out) -> None:
         out.fill_(torch.iinfo(out.dtype).min)
 
 
-def check_candidate(opmod, module, spec, seed: int, sync) -> str | None:
-    """Run `module` on every distribution; return None if all pass, else the first failure's reason.
+def check_candidate(opmod, module, spec, seed: int, sync, call=None) -> str | None:
+    """Run `module` (or `call`: inputs -> a new tensor, for torch's fused op) on every distribution; return
+    None if all pass, else the first failure's reason.
 
     The candidate's exceptions arrive as CandidateRaised; forge's own (inputs, oracle) propagate."""
     import torch
@@ -144,9 +162,12 @@ def check_candidate(opmod, module, spec, seed: int, sync) -> str | None:
     tol = opmod.tolerance_for(spec) if hasattr(opmod, "tolerance_for") else opmod.tolerance(spec.dtype)
     for i, dist in enumerate(DISTRIBUTIONS):
         inputs = opmod.make_inputs(spec, seed + 1000 * i, dist)
-        out = opmod.alloc_output(inputs, spec)
-        poison(out)
-        run_candidate(opmod, module, inputs, out, spec.attrs, sync)
+        if call is None:
+            out = opmod.alloc_output(inputs, spec)
+            poison(out)
+            run_candidate(opmod, module, inputs, out, spec.attrs, sync)
+        else:
+            out = run_call(call, inputs, sync)
         with torch.no_grad():
             ref = opmod.oracle(inputs, spec.attrs)
         reason = compare(out, ref, tol)

@@ -140,15 +140,29 @@ class Session:
 
             torch.cuda.synchronize()
 
-    def validate(self, msg: dict) -> dict:
-        from forge.tuner.validate import CandidateRaised, check_candidate
+    def _torch_op(self):
+        """torch's fused op for this spec as a call (the engine sends TORCH_OP_PATH only where there is one)."""
+        from forge import fused
 
+        f = fused.candidate(self.spec.op, self.spec.attrs)
+        if f is None:
+            raise ValueError(f"{self.spec.op} has no torch-op candidate for {self.spec.attrs}")
+        attrs = self.spec.attrs
+        return lambda inputs: f.fn(inputs, attrs)
+
+    def validate(self, msg: dict) -> dict:
+        from forge.tuner.validate import TORCH_OP_PATH, CandidateRaised, check_candidate
+
+        call, module = None, None
+        if msg["path"] == TORCH_OP_PATH:
+            call = self._torch_op()
+        else:
+            try:
+                module = self._load(msg["path"])
+            except Exception as exc:  # noqa: BLE001 - a rendered module that fails to import
+                return {"status": Status.COMPILE_ERROR, "reason": _short(exc)}
         try:
-            module = self._load(msg["path"])
-        except Exception as exc:  # noqa: BLE001 - a rendered module that fails to import
-            return {"status": Status.COMPILE_ERROR, "reason": _short(exc)}
-        try:
-            reason = check_candidate(self.op, module, self.spec, self.seed, self._sync)
+            reason = check_candidate(self.op, module, self.spec, self.seed, self._sync, call=call)
         except CandidateRaised as exc:
             return self._failure(exc.__cause__ or exc)
         except Exception as exc:  # noqa: BLE001 - forge's inputs, oracle or comparison
@@ -172,7 +186,7 @@ class Session:
         """Time the listed candidates (and the eager baseline if asked). With rounds > 1 the
         contestants are sampled in alternation (A B C A B C ...) so drift affects all equally."""
         from forge.tuner.timing import Bench
-        from forge.tuner.validate import CandidateRaised
+        from forge.tuner.validate import TORCH_OP_PATH, CandidateRaised
 
         if self.bench is None:
             try:
@@ -192,7 +206,8 @@ class Session:
                 raise
         for path in msg["paths"]:
             try:
-                samplers[path] = bench.prepare(bench.candidate_fn(self._load(path)))
+                fn = bench.call_fn(self._torch_op()) if path == TORCH_OP_PATH else bench.candidate_fn(self._load(path))
+                samplers[path] = bench.prepare(fn)
             except CandidateRaised as exc:
                 return {**self._failure(exc.__cause__ or exc), "failed": path}
         if msg.get("settle_ms"):

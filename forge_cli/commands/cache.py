@@ -10,7 +10,7 @@ import typer
 from rich.syntax import Syntax
 from rich.table import Table
 
-from forge.cache import CacheError, default_cache_path
+from forge.cache import WINNING, CacheError, default_cache_path
 from forge.errors import ExitCode, UsageError
 from forge_cli.options import CacheOpt, JsonOpt
 from forge_cli.render import age, cache_exit_code, entry_row, fail, fmt_params, fmt_speedup, fmt_us, open_cache, out
@@ -32,7 +32,7 @@ def cache_ls(op: Annotated[str | None, typer.Option("--op", help="Only this op."
         table.add_column(col, justify="right" if col in ("speedup", "p50 µs") else "left")
     for r in rows:
         dev = f"{r['device']} [dim]({r['backend']})[/]"
-        p50 = r["p50_us"] if r["decision"] == "kernel" else r["eager_p50_us"]
+        p50 = r["p50_us"] if r["decision"] in WINNING else r["eager_p50_us"]
         # Timings measured on another machine and imported (forge cache import/merge) are marked.
         speedup = fmt_speedup(r["speedup"]) + (" [dim](imported)[/]" if r["imported"] else "")
         table.add_row(r["key"][:12], r["op"], r["shape"], r["dtype"], dev, r["decision"],

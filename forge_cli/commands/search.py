@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from forge.cache import CacheError
+from forge.cache import WINNING, CacheError
 from forge.errors import ExitCode, ForgeError, UsageError
 from forge.tuner import batch, engine
 from forge.tuner import manifest as manifest_mod
@@ -127,6 +127,12 @@ def print_report(report: engine.SearchReport, top: int) -> None:
         out.print(f"[bold green]decision: kernel[/] {w['variant']}({fmt_params(w['params'])}) "
                   f"p50 {fmt_us(w['quantiles']['p50'])} µs vs eager {fmt_us(report.baseline.p50)} µs "
                   f"({fmt_speedup(sp)})")
+    elif report.decision == "torch":
+        w = report.winner
+        label = next((c.get("label") for c in report.candidates if c.get("variant") == "torch"), "torch's op")
+        out.print(f"[bold green]decision: torch op[/] {escape(str(label))} p50 {fmt_us(w['quantiles']['p50'])} µs vs "
+                  f"the code as written {fmt_us(report.baseline.p50)} µs ({fmt_speedup(sp)}); faster than every "
+                  "forge kernel tried")
     elif report.decision == "eager":
         out.print("[bold yellow]decision: eager[/] — no candidate beat eager by the required margin "
                   "(p80(candidate) < p20(eager)/1.03); eager is cached as the decision.")
@@ -298,7 +304,7 @@ def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json
                 return
             est = batch.run_estimate(jobs, done)
             outcome = res.status if res.status == "failed" else (
-                f"{res.decision} {fmt_speedup(res.speedup)}" if res.decision == "kernel" else str(res.decision))
+                f"{res.decision} {fmt_speedup(res.speedup)}" if res.decision in WINNING else str(res.decision))
             line = f"[{n + 1}/{len(jobs)}] {job.label}: {outcome}" + (
                 f" (share {fmt_share(job.share)})" if job.share is not None else "")
             if est is not None:

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from forge.cache import CacheError
+from forge.cache import WINNING, CacheError
 from forge.errors import ExitCode, ForgeError, UsageError
 from forge.tuner import batch, engine, kernelbench, manifest, tracetools
 from forge_cli.options import (
@@ -211,7 +211,7 @@ def _trace_dir(directory: Path, input_, device, dtype, profile: bool, write_mani
                     return
                 what = (f"skipped: {res.note}" if res.status == "skipped" else
                         f"failed: {res.error}" if res.status == "failed" else
-                        f"{res.status}, {res.decision}" + (f" {fmt_speedup(res.speedup)}" if res.decision == "kernel"
+                        f"{res.status}, {res.decision}" + (f" {fmt_speedup(res.speedup)}" if res.decision in WINNING
                                                           else ""))
                 err.print(escape(f"    tune {res.op} {res.shape} {res.dtype}: {what}"))
 

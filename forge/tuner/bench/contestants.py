@@ -1,5 +1,5 @@
-"""The reference contestants of `forge bench`: the fused torch op per op family (FUSED), the Liger-Kernel
-adapters (LIGER), and the torch.compile helpers."""
+"""The reference contestants of `forge bench`: the fused torch op per op family (FUSED, from forge/fused.py),
+the Liger-Kernel adapters (LIGER), and the torch.compile helpers."""
 
 from __future__ import annotations
 
@@ -8,61 +8,17 @@ import os
 import shutil
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
+from forge import fused as fused_ops
 from forge.tuner.bench._common import _short
 
 CONTESTANTS = ("forge", "eager", "fused", "compile", "compile-max-autotune", "liger")
 
 
-@dataclass(frozen=True)
-class Fused:
-    """The fused torch op for an op family. same_as_eager: the op's eager reference already is this call,
-    so timing it again would only measure noise; it is reported as "same as eager" instead."""
-
-    label: str
-    fn: Callable[[tuple, dict], Any]
-    same_as_eager: bool = False
-
-
-def _f():
-    import torch.nn.functional as F
-
-    return F
-
-
-def _fused_reduce(inputs, attrs):
-    import torch
-
-    fn = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "argmax": torch.argmax}[attrs["kind"]]
-    return fn(inputs[0], dim=-1, keepdim=attrs["keepdim"])
-
-
-def _fused_sdpa(inputs, attrs):
-    q, k, v = inputs
-    kwargs = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    return _f().scaled_dot_product_attention(q, k, v, is_causal=attrs["causal"], scale=attrs["scale"], **kwargs)
-
-
-# Every op in kernels/ has an entry (tests/test_bench_cmd.py checks it): a Fused, or the reason there is none.
-FUSED: dict[str, Fused | str] = {
-    # The reference is the formula as users write it (5 kernels in eager); F.rms_norm is torch's fused op.
-    "rmsnorm": Fused("F.rms_norm", lambda i, a: _f().rms_norm(i[0], (i[0].shape[-1],), i[1], a["eps"])),
-    "softmax": Fused("torch.softmax", lambda i, a: __import__("torch").softmax(i[0], -1), same_as_eager=True),
-    "log_softmax": Fused("F.log_softmax", lambda i, a: _f().log_softmax(i[0], -1), same_as_eager=True),
-    "layer_norm": Fused("F.layer_norm", lambda i, a: _f().layer_norm(i[0], i[0].shape[-1:], i[1], i[2], a["eps"]),
-                        same_as_eager=True),
-    "gelu": Fused("F.gelu", lambda i, a: _f().gelu(i[0], approximate=a["approximate"]), same_as_eager=True),
-    # torch has no fused silu-and-multiply: F.silu(a) * b is two kernels, which is what eager runs.
-    "silu_mul": Fused("F.silu(a) * b", lambda i, a: _f().silu(i[0]) * i[1], same_as_eager=True),
-    "sdpa": Fused("F.scaled_dot_product_attention", _fused_sdpa, same_as_eager=True),
-    "matmul": Fused("torch.matmul", lambda i, a: __import__("torch").matmul(i[0], i[1]), same_as_eager=True),
-    "cross_entropy": Fused("F.cross_entropy", lambda i, a: _f().cross_entropy(
-        i[0], i[1], ignore_index=a["ignore_index"], reduction=a["reduction"]), same_as_eager=True),
-    "reduce": Fused("torch.sum / mean / amax / argmax", _fused_reduce, same_as_eager=True),
-    "rope": "torch has no fused rotary-embedding op",
-}
+# The fused torch op per family lives in the runtime (forge/fused.py): the search times it as a candidate
+# and the shim serves it; bench reads the same table.
+FUSED = fused_ops.FUSED
+Fused = fused_ops.Fused
 
 
 class _Unavailable(Exception):
@@ -128,6 +84,9 @@ LIGER: dict[str, Callable[[], tuple[str, Callable]] | str] = {
              "Face layout, halves equal); forge's rope takes any (S, D) cos/sin"),
     "gelu": "Liger-Kernel has GeGLU (gelu(a) * b), not a plain gelu",
     "matmul": "Liger-Kernel has no matmul",
+    "linear": "Liger-Kernel has no linear with a fused epilogue",
+    "swiglu": "Liger-Kernel's SwiGLU fuses only silu(g) * u, not the two projections",
+    "pointwise": "Liger-Kernel has no generated elementwise kernels",
     "sdpa": "Liger-Kernel has no attention forward kernel",
     "reduce": "Liger-Kernel has no row reductions",
     "log_softmax": "Liger-Kernel has no log_softmax kernel",

@@ -105,7 +105,8 @@ def _recheck_one(r: RecheckResult, backend: str, pools: engine.Pools, src_dir: P
                  opts: BenchOptions, emit: Events) -> None:
     t, e = r.target, r.target.entry
     if e.decision != "kernel":
-        r.status, r.reason = Status.SKIPPED, "the cached decision is eager: no kernel to recheck"
+        r.status, r.reason = Status.SKIPPED, (f"the cached decision is {e.decision}: no forge kernel to recheck "
+                                              "(forge bench times it)")
         return
     if e.op not in ops.available():
         r.status, r.reason = Status.SKIPPED, f"op {e.op!r} is not known to this forge"

@@ -13,7 +13,7 @@ from forge.tuner.bench.peaks import Peaks
 # intensities are 0.25-4 flop/B, two orders of magnitude below the H200's ridge (~700e12 / 4.2e12 = 170
 # flop/B), so the copy bandwidth is their roofline. (Without this rule the interpreter's CPU, whose fp16
 # GEMM runs at ~1 GFLOP/s, would call rmsnorm compute-bound.)
-GEMM_OPS = ("matmul", "sdpa")
+GEMM_OPS = ("matmul", "sdpa", "linear", "swiglu")
 
 
 def roofline_model(opmod, spec: KernelSpec, peaks: Peaks) -> dict[str, Any]:

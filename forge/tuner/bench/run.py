@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forge import fused as fused_ops
 from forge import key as keys
 from forge import ops
 from forge.cache import Cache
@@ -141,10 +142,18 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
         return (lambda inputs: fn(inputs, attrs)), (lambda bench: (lambda i: fn(bench.inputs[i], attrs)))
 
     # forge: the cached winner
-    label = f"{entry.variant}({_fmt_params(entry.params)})" if entry.decision == "kernel" else "(eager decision)"
+    torch_op = fused_ops.candidate(target.op, attrs) if entry.decision == "torch" else None
+    label = (f"{entry.variant}({_fmt_params(entry.params)})" if entry.decision == "kernel" else
+             f"torch op {torch_op.label}" if torch_op is not None else f"({entry.decision} decision)")
     c = ContestantResult("forge", label)
     if "forge" in opts.skip:
         c.status, c.reason = Status.SKIPPED, "--skip forge"
+    elif entry.decision == "torch":  # what forge serves for this spec: torch's fused op (forge/fused.py)
+        if torch_op is None:
+            c.status, c.reason = Status.REFUSED, (f"the cached decision is a torch op, but this forge knows none for "
+                                                  f"{target.op} {attrs}; forge cache rm {entry.key[:12]}")
+        else:
+            c.call, c.timing = generic(torch_op.fn)
     elif entry.decision != "kernel":
         c.status, c.reason = Status.SKIPPED, "the cached decision is eager: no kernel beat eager by the margin"
     elif not keys.source_intact(entry):
@@ -178,14 +187,13 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
     out.append(c)
 
     # fused torch op
-    fused = refs.FUSED.get(target.op,
-                           f"no fused torch op is listed for {target.op} (forge/tuner/bench/contestants.py FUSED)")
+    fused = fused_ops.get(target.op)
     c = ContestantResult("fused", fused.label if isinstance(fused, refs.Fused) else "-")
     if isinstance(fused, str):
         c.status, c.reason = Status.SKIPPED, fused
     elif "fused" in opts.skip:
         c.status, c.reason = Status.SKIPPED, "--skip fused"
-    elif fused.same_as_eager:
+    elif fused.same_as_eager(attrs):
         c.status, c.reason = Status.SKIPPED, f"same as eager: the op's eager reference already is {fused.label}"
     else:
         c.call, c.timing = generic(fused.fn)

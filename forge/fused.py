@@ -1,0 +1,119 @@
+"""Torch's own fused op per op family: a candidate of every search and a decision the runtime serves.
+
+Issue 14: the decision for a spec is the fastest correct of (1) the user's code as written (the op's
+`reference`, which follows the spelling the matcher saw: the attribute `form`), (2) torch's single fused
+op computing the same thing (this table; validated against the float64 oracle like any candidate) and
+(3) forge's kernels. Where torch's op wins, the cache says decision "torch": the shim and the TorchDynamo
+backend then run that op in place of the user's formula (MinGPT's eight-kernel tanh-GELU becomes one
+F.gelu call), and `forge bench` times it as forge's contestant.
+
+`same_as_eager(attrs)` says when a spec's reference already is this call (timing it again would only
+measure noise: it is not a candidate then, and bench reports it "same as eager"). Every op in kernels/ has
+an entry, a Fused or the reason there is none (tests/test_bench_cmd.py checks it).
+
+Runtime layer (docs/adr/0002-layers.md): the shim calls these at run time; the tuner's search and bench
+read the same table. Each `fn(inputs, attrs)` takes the op's inputs in the op's order (what `reference`
+takes) and returns a new tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Fused:
+    label: str
+    fn: Callable[[tuple, dict], Any]
+    same_as_eager: Callable[[dict], bool] = lambda attrs: False
+
+
+def _always(attrs: dict) -> bool:
+    """The op's reference is this call for every spec."""
+    return True
+
+
+def _f():
+    import torch.nn.functional as F
+
+    return F
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _reduce(inputs, attrs):
+    torch = _torch()
+    fn = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin, "argmax": torch.argmax,
+          "argmin": torch.argmin}[attrs["kind"]]
+    return fn(inputs[0], dim=attrs.get("dim", -1), keepdim=attrs["keepdim"])
+
+
+def _sdpa(inputs, attrs):
+    q, k, v = inputs
+    kwargs = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return _f().scaled_dot_product_attention(q, k, v, is_causal=attrs["causal"], scale=attrs["scale"], **kwargs)
+
+
+def _trailing(x, attrs: dict) -> tuple:
+    """The normalized trailing shape of a norm spec (attribute dims: how many trailing dims, default 1)."""
+    return tuple(x.shape[x.dim() - int(attrs.get("dims", 1)):])
+
+
+def _rms_norm(inputs, attrs):
+    x, w = inputs
+    return _f().rms_norm(x, _trailing(x, attrs), w, attrs["eps"])
+
+
+def _rms_norm_is_eager(attrs: dict) -> bool:
+    # F.rms_norm normalizes trailing dims only: over one other dim (attribute dim, NCHW's C) it is no
+    # candidate, as where the user called it (form="fused") and it already is the baseline.
+    return attrs.get("form") == "fused" or attrs.get("dim", -1) != -1
+
+
+FUSED: dict[str, Fused | str] = {
+    # rmsnorm's reference is the formula as users write it (5 kernels in eager) unless the user called
+    # F.rms_norm / nn.RMSNorm themselves (form="fused").
+    "rmsnorm": Fused("F.rms_norm", _rms_norm, same_as_eager=_rms_norm_is_eager),
+    "softmax": Fused("torch.softmax", lambda i, a: _torch().softmax(i[0], -1), same_as_eager=_always),
+    "log_softmax": Fused("F.log_softmax", lambda i, a: _f().log_softmax(i[0], -1), same_as_eager=_always),
+    "layer_norm": Fused("F.layer_norm", lambda i, a: _f().layer_norm(i[0], _trailing(i[0], a), i[1], i[2], a["eps"]),
+                        same_as_eager=_always),
+    # gelu's reference is F.gelu unless the matcher saw the written-out erf or tanh formula (form="formula").
+    "gelu": Fused("F.gelu", lambda i, a: _f().gelu(i[0], approximate=a["approximate"]),
+                  same_as_eager=lambda a: a.get("form") != "formula"),
+    # torch has no fused silu-and-multiply: F.silu(a) * b (two kernels) is the best torch spelling; it is
+    # a candidate where the user wrote a * sigmoid(a) * b (form="formula", three or four kernels).
+    "silu_mul": Fused("F.silu(a) * b", lambda i, a: _f().silu(i[0]) * i[1],
+                      same_as_eager=lambda a: a.get("form") != "formula"),
+    "sdpa": Fused("F.scaled_dot_product_attention", _sdpa, same_as_eager=_always),
+    "matmul": Fused("torch.matmul", lambda i, a: _torch().matmul(i[0], i[1]), same_as_eager=_always),
+    "cross_entropy": Fused("F.cross_entropy", lambda i, a: _f().cross_entropy(
+        i[0], i[1], ignore_index=a["ignore_index"], reduction=a["reduction"]), same_as_eager=_always),
+    "reduce": Fused("torch.sum / mean / amax / argmax", _reduce, same_as_eager=_always),
+    "rope": "torch has no fused rotary-embedding op",
+    "linear": "torch has no GEMM with a fused epilogue beyond F.linear's bias (the reference: F.linear / addmm, "
+              "then each epilogue op)",
+    "swiglu": "torch has no fused SwiGLU op (the reference: two F.linear, then F.silu(g) * u)",
+    "pointwise": "torch has no single op for an arbitrary elementwise chain (torch.compile generates one: a bench "
+                 "contestant)",
+}
+
+
+def get(op: str) -> Fused | str:
+    """The op's fused torch op, or why there is none."""
+    return FUSED.get(op, f"no fused torch op is listed for {op} (forge/fused.py)")
+
+
+def candidate(op: str, attrs: dict) -> Fused | None:
+    """The fused op as a search candidate for a spec with these attributes: None when there is none or
+    when the spec's eager reference already is that call."""
+    f = get(op)
+    if isinstance(f, str) or f.same_as_eager(attrs):
+        return None
+    return f

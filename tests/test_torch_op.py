@@ -1,0 +1,187 @@
+"""Issue 14, item 6: what the user runs is the baseline; torch's fused ops are candidates.
+
+MinGPT's tanh-GELU formula (eight eager kernels) was searched against F.gelu as its baseline, lost to it and
+was cached "eager": the formula kept running. Now the matcher records the spelling (form="formula"), the
+reference runs that spelling, torch's fused op (forge/fused.py) is validated and timed like any candidate,
+and a "torch" decision is cached and served by the shim, forge.load, the TorchDynamo backend and bench.
+
+On the CPU tier the interpreter's kernels are far slower than torch's, and torch's one F.gelu call is faster
+than the formula's eight: the decision is "torch" (as it was for the tanh formula at 8192x8192 fp32 on the
+H200, 1152 us in eager)."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import forge
+from forge import fused
+from forge.cache import Cache
+from forge.tuner import engine
+from tests.conftest import HAS_CUDA
+
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="the interpreter's timings decide these (CPU tier)")
+
+SHAPE = (16, 96)
+
+
+@pytest.fixture(autouse=True)
+def _torch_ops_on(monkeypatch):
+    monkeypatch.setenv("FORGE_TORCH_OPS", "1")  # tests/conftest.py switches it off for the other tests
+
+
+def tanh_formula(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _search(tmp_path, attrs, budget=2):
+    return engine.search("gelu", SHAPE, "float32", device="cpu", cache=Cache(tmp_path / "forge.db"), attrs=attrs,
+                         options=engine.SearchOptions(budget=budget, workers=1, timeout=120))
+
+
+def test_the_fused_op_is_a_candidate_only_where_the_baseline_is_not_that_call():
+    assert fused.candidate("gelu", {"approximate": "tanh", "form": "formula"}).label == "F.gelu"
+    assert fused.candidate("gelu", {"approximate": "tanh"}) is None  # the user calls F.gelu already
+    assert fused.candidate("silu_mul", {"form": "formula"}).label == "F.silu(a) * b"
+    assert fused.candidate("silu_mul", {}) is None
+    assert fused.candidate("rope", {}) is None and isinstance(fused.get("rope"), str)
+    assert isinstance(fused.get("no_such_op"), str)
+
+
+@cpu_only
+def test_a_formula_is_searched_against_itself_and_torchs_op_wins(tmp_path):
+    rep = _search(tmp_path, {"approximate": "tanh", "form": "formula"})
+    by_variant = {c["variant"]: c for c in rep.candidates}
+    assert by_variant["torch"]["label"] == "F.gelu" and by_variant["torch"]["status"] == "ok"
+    assert len(rep.candidates) == 3  # the budget's two kernels, plus torch's op outside the budget
+    assert rep.decision == "torch", [(c["variant"], c["status"], c["speedup"]) for c in rep.candidates]
+    assert rep.winner["variant"] == "torch" and rep.speedup > 1.03
+    entry = Cache(tmp_path / "forge.db").get(rep.key)
+    assert entry.decision == "torch" and entry.source is None and entry.variant == "torch"
+    again = _search(tmp_path, {"approximate": "tanh", "form": "formula"})
+    assert again.cache_hit and again.decision == "torch" and again.winner["variant"] == "torch"
+
+
+@cpu_only
+def test_forge_torch_ops_0_leaves_the_torch_op_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORGE_TORCH_OPS", "0")
+    rep = _search(tmp_path, {"approximate": "tanh", "form": "formula"})
+    assert "torch" not in {c["variant"] for c in rep.candidates} and rep.decision in ("kernel", "eager")
+
+
+@cpu_only
+def test_a_call_of_the_fused_op_has_no_torch_candidate(tmp_path):
+    rep = _search(tmp_path, {"approximate": "tanh"})
+    assert "torch" not in {c["variant"] for c in rep.candidates}
+    assert rep.decision in ("kernel", "eager")
+
+
+@cpu_only
+def test_the_shim_serves_torchs_op_in_place_of_the_formula(tmp_path):
+    db = tmp_path / "forge.db"
+    f = forge.optimize(tanh_formula, interpreter=True, cache=db, budget=2, warn=False)
+    x = torch.randn(*SHAPE)
+    e = forge.explain(f, x)
+    assert (e.op, e.uses, e.reason) == ("gelu", "eager", "cache miss: would search")
+    rep = _search(tmp_path, {"approximate": "tanh", "form": "formula"})
+    assert rep.decision == "torch", [(c["variant"], c["status"], c["speedup"]) for c in rep.candidates]
+    y = f(x)
+    e = forge.explain(f, x)
+    assert e.uses == "torch" and "F.gelu" in e.reason and "faster than the code as written" in e.reason, e
+    assert torch.equal(y, F.gelu(x, approximate="tanh"))  # torch's op ran, not the formula
+    assert not torch.equal(y, tanh_formula(x)) or torch.allclose(y, tanh_formula(x))
+    load = forge.load("gelu", SHAPE, "float32", device="cpu", cache=db, approximate="tanh", form="formula")
+    assert torch.equal(load(x), F.gelu(x, approximate="tanh"))
+    with pytest.raises(ValueError, match="takes"):
+        load(torch.randn(3, 3))
+
+
+@cpu_only
+def test_the_backend_runs_torchs_op_for_a_region(tmp_path):
+    from forge.backend import Backend
+
+    db = tmp_path / "forge.db"
+    _search(tmp_path, {"approximate": "tanh", "form": "formula"})
+
+    def mlp(x, w):
+        return tanh_formula(x) @ w
+
+    x, w = torch.randn(*SHAPE), torch.randn(SHAPE[1], 8)
+    be = Backend(miss="eager", cache=db, interpreter=True)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(mlp, backend=be, dynamic=False)
+        compiled(x, w)
+        got = compiled(x, w)
+    finally:
+        torch._dynamo.reset()
+    rep = be.explain()
+    gelu = [r for r in rep.regions if r.op == "gelu"]
+    assert [r.uses for r in gelu] == ["torch"] and rep.torch_ops == 1 and rep.uses == "regions"
+    assert "torch's fused op" in str(rep)
+    assert be.kernel_names() == frozenset()  # no forge kernel among the swapped calls
+    assert torch.equal(got, F.gelu(x, approximate="tanh") @ w)
+
+
+@cpu_only
+def test_bench_and_cache_ls_show_the_torch_decision(tmp_path):
+    from typer.testing import CliRunner
+
+    from forge_cli import cli
+
+    db = tmp_path / "forge.db"
+    _search(tmp_path, {"approximate": "tanh", "form": "formula"})
+    runner = CliRunner()
+    res = runner.invoke(cli.app, ["bench", "gelu", "--shape", "x".join(map(str, SHAPE)), "--dtype", "float32",
+                                  "--device", "cpu", "--attr", "approximate=tanh", "--attr", "form=formula",
+                                  "--rounds", "3", "--skip", "compile", "--skip", "liger", "--cache", str(db),
+                                  "--json"])
+    assert res.exit_code == 0, res.output
+    (t,) = json.loads(res.stdout)["targets"]
+    by = {c["name"]: c for c in t["contestants"]}
+    assert by["forge"]["label"] == "torch op F.gelu" and by["forge"]["status"] == "ok"
+    assert by["fused"]["status"] == "ok" and by["eager"]["status"] == "ok"
+    assert t["stored"]["decision"] == "torch"
+    ls = runner.invoke(cli.app, ["cache", "ls", "--cache", str(db), "--json"])
+    assert ls.exit_code == 0 and [r["decision"] for r in json.loads(ls.stdout)] == ["torch"]
+    exp = runner.invoke(cli.app, ["export", "gelu", "--shape", "x".join(map(str, SHAPE)), "--dtype", "float32",
+                                  "--device", "cpu", "--attr", "approximate=tanh", "--attr", "form=formula",
+                                  "--cache", str(db), "--out", str(tmp_path / "x")])
+    assert exp.exit_code == 2 and "torch's own fused op" in " ".join(exp.output.split()), exp.output
+
+
+def test_a_manifest_entry_may_name_the_form(tmp_path):
+    from forge.tuner import manifest
+
+    path = tmp_path / "m.toml"
+    path.write_text(textwrap.dedent("""
+        [[op]]
+        op = "gelu"
+        shape = "4x8"
+        approximate = "tanh"
+        form = "formula"
+        """))
+    (job,) = manifest.load(path).jobs
+    assert job.attrs == {"approximate": "tanh", "form": "formula"}
+
+
+def test_a_bundle_torch_entry_with_a_source_is_rejected():
+    import dataclasses
+
+    from forge import key as keys
+    from forge.spec import KernelSpec
+    from forge.tuner import bundle
+    from tests.test_cache import make_entry, make_key
+
+    e = dataclasses.replace(make_entry(make_key("t")), decision="torch", variant="torch", params={})
+    e = dataclasses.replace(e, key=keys.cache_key(KernelSpec.from_dict(e.spec), e.env))
+    with pytest.raises(bundle.Rejected, match="torch decision that carries a kernel source"):
+        bundle.check_integrity(e)
+    bundle.check_integrity(dataclasses.replace(e, source=None, source_sha256=None))  # without one: fine
+    with pytest.raises(bundle.Rejected, match="torch decision without winner"):
+        bundle.check_metadata(dataclasses.replace(e, source=None, source_sha256=None, winner=None), now=2e9)
