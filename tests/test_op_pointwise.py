@@ -135,7 +135,7 @@ def test_every_variant_matches_the_oracle(expr, shape, dtype, tmp_path):
     assert _check(spec, tmp_path) == []
 
 
-@pytest.mark.parametrize(("shape", "input_shapes"), [
+@pytest.mark.parametrize(("shape", "shapes"), [
     ((5, 33), "c;33"),            # a bias over the last dim
     ((2, 3, 5, 8), "c;2,1,5,8"),  # a (B, 1, S, D) table
     ((4, 6), "4,1;1,6"),          # an outer sum: no input of the output's shape

@@ -97,14 +97,14 @@ def candidates_table(report: engine.SearchReport, top: int) -> Table:
     bad = [c for c in report.candidates if c["status"] != Status.OK]
     for i, c in enumerate(ok[:top], 1):
         q = c["final"] or c["screen"] or {}
-        table.add_row(str(i), c["variant"], fmt_params(c["params"]), fmt_us(q.get("p20")),
+        table.add_row(str(i), c["variant"], c.get("label") or fmt_params(c["params"]), fmt_us(q.get("p20")),
                       fmt_us(q.get("p50")), fmt_us(q.get("p80")), fmt_speedup(c["speedup"]),
                       "ok" + (" (final)" if c["final"] else ""))
     if len(ok) > top:
         table.add_row("", f"... {len(ok) - top} more ok", "", "", "", "", "", "")
     for c in bad:
         reason = (c.get("reason") or "").splitlines()[0][:90] if c.get("reason") else ""
-        table.add_row("", c["variant"], fmt_params(c["params"]), "", "", "", "", status_cell(c["status"], reason))
+        table.add_row("", c["variant"], c.get("label") or fmt_params(c["params"]), "", "", "", "", status_cell(c["status"], reason))
     return table
 
 
