@@ -198,7 +198,8 @@ class Backend:
             if swap is not None:
                 swaps.append((r, swap))
             if swap is not None or report.reason.startswith(RECORDED):
-                produced[r.root] = g.values[r.root].contiguous()
+                for node in (r.root, *r.extra_outputs):
+                    produced[node] = g.values[node].contiguous()
         with self._lock:
             self.graphs += 1
             self.regions.extend(reports)
@@ -242,11 +243,24 @@ class Backend:
         if binding is None:
             return report, None
         out = g.values[r.root]
+        if r.extra_outputs:
+            # The op's one output holds the root's value and the extra ones' stacked (add_norm: (2, ...), y
+            # then h); it is split only where each extra value is exactly that slice of it.
+            vals = [out, *(g.values[e] for e in r.extra_outputs)]
+            if not (isinstance(binding, shim._Binding) and all(isinstance(v, torch.Tensor) for v in vals)
+                    and all(v.shape == out.shape and v.dtype == out.dtype for v in vals)):
+                return RegionExplanation(index, node, r.op, "eager", "a region with extra outputs "
+                                         f"({', '.join(e.name for e in r.extra_outputs)}) is swapped only for a "
+                                         "forge kernel writing them stacked", r.shape, r.dtype, dict(r.attrs),
+                                         why.key), None
         fallback = _region_module(g.gm, r)
         if fallback is None:
             return RegionExplanation(index, node, r.op, "eager", "its nodes cannot be run apart from the graph",
                                      r.shape, r.dtype, dict(r.attrs), why.key), None
-        return report, _RegionCall(binding, leaves, fallback, out)
+        # A family whose one output stacks the root's value with a shared node's (add_norm: (2, ...), y then
+        # h) writes it stacked whether or not anything outside the region reads h.
+        stacked = bool(getattr(op.module, "KEEP_MULTI_USE", ()))
+        return report, _RegionCall(binding, leaves, fallback, out, len(r.extra_outputs), stacked)
 
     def _record(self, op: str, shape: tuple, dtype: str, device: str, attrs: dict) -> str:
         from forge import misses
@@ -267,9 +281,14 @@ def _attr(gm, name: str):
 class _RegionCall:
     """A region's kernel, guarded: the leaves' signature (shape, dtype, strides, device, requires_grad,
     alignment), autocast, and grad mode off where a leaf requires grad, as when the kernel was resolved;
-    else the region's own nodes run."""
+    else the region's own nodes run.
 
-    def __init__(self, binding, leaves: list, fallback, out):
+    A region with extra outputs (add_norm's h) returns a tuple, the root's value first: views of the
+    kernel's stacked output, or the region's own nodes' values (nothing is stacked on that path).
+    `stacked` is the same call returning one tensor (the kernel's output as it is, the fallback's values
+    stacked): the form the custom op forge::region takes under rest="inductor"."""
+
+    def __init__(self, binding, leaves: list, fallback, out, extra: int = 0, stacked: bool = False):
         h = shim._torch_hot()
         self.binding, self.fallback = binding, fallback
         self.sig = tuple(shim._tensor_sig(t) for t in leaves)
@@ -277,18 +296,47 @@ class _RegionCall:
         # Grad mode matters only where a leaf requires grad (resolve() refused grad mode on then); Inductor
         # runs its compiled graphs under no_grad, so the mode itself is not compared.
         self.needs_no_grad = any(t.requires_grad for t in leaves)
-        self.out_meta = (tuple(out.shape), tuple(out.stride()), out.dtype)
+        self.extra = extra
+        # the kernel's output stacks the root's value with the shared node's even where nothing outside
+        # reads the latter (extra == 0): the root's value is then its [0]
+        self.kernel_stacked = stacked or bool(extra)
+        if extra:  # stacked: contiguous (1 + extra, *shape), as the op's alloc_output makes it
+            shape = (1 + extra, *out.shape)
+            import torch
+
+            stride = tuple(int(x) for x in torch.empty(shape, device="meta").stride())
+            self.out_meta = (shape, stride, out.dtype)
+        else:
+            self.out_meta = (tuple(out.shape), tuple(out.stride()), out.dtype)
         self.calls = self.fallbacks = 0
         self.__name__ = f"forge_{getattr(getattr(binding, 'spec', None), 'op', 'kernel')}"  # fx names nodes so
 
-    def __call__(self, *leaves):
+    def _guarded(self, leaves):
+        """(the result, True) from the kernel, or (the region's own nodes' result, False)."""
         h = shim._hot
         self.calls += 1
         if (h["autocast"]() == self.autocast and not (self.needs_no_grad and h["grad"]())
                 and tuple(shim._tensor_sig(t) for t in leaves) == self.sig):
-            return self.binding(list(leaves))
+            return self.binding(list(leaves)), True
         self.fallbacks += 1
-        return self.fallback(*leaves)
+        return self.fallback(*leaves), False
+
+    def __call__(self, *leaves):
+        out, kernel = self._guarded(leaves)
+        if kernel and self.kernel_stacked:
+            parts = out.unbind(0)
+            return tuple(parts[:1 + self.extra]) if self.extra else parts[0]
+        return out
+
+    def stacked(self, *leaves):
+        out, kernel = self._guarded(leaves)
+        if self.extra and not kernel:
+            import torch
+
+            return torch.stack(out)
+        if kernel and self.kernel_stacked and not self.extra:
+            return out[0].clone()  # the custom op's output must not be a view (of the stacked buffer)
+        return out
 
 
 def _region_module(gm, r):
@@ -323,7 +371,8 @@ def _region_module(gm, r):
             env[n] = graph.node_copy(n, arg)
     if missing:
         return None
-    graph.output(env[r.root])
+    extra = getattr(r, "extra_outputs", ())
+    graph.output((env[r.root], *(env[e] for e in extra)) if extra else env[r.root])
     sub = fx.GraphModule(gm, graph)
     return sub.forward
 
@@ -345,7 +394,8 @@ def _region_op():
         # The schema is spelled out: this module's annotations are strings (from __future__ import annotations).
         @torch.library.custom_op("forge::region", mutates_args=(), schema="(str handle, Tensor[] leaves) -> Tensor")
         def region(handle, leaves):
-            out = _HANDLES[handle](*leaves)
+            call = _HANDLES[handle]
+            out = call.stacked(*leaves) if call.extra else call(*leaves)
             # A custom op's output may not alias its inputs (a fallback region could return one of them).
             if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in leaves):
                 out = out.clone()
@@ -362,6 +412,9 @@ def _region_op():
 def _swapped(gm, swaps: list, *, inductor: bool):
     """A copy of `gm` with each region's root replaced by its guarded kernel call (the region's other
     nodes are dropped where nothing else reads them)."""
+    import operator
+
+    import torch
     import torch.fx as fx
 
     new = fx.GraphModule(gm, gm.graph.__deepcopy__())
@@ -379,6 +432,21 @@ def _swapped(gm, swaps: list, *, inductor: bool):
                 handle = f"r{next(_handle_ids)}"
                 _HANDLES[handle] = call
                 repl = new.graph.call_function(op, (handle, leaf_args))
+        inside = {nodes[m.name] for m in r.nodes}
+        if r.extra_outputs:  # the call's parts: the root's value, then each extra output's
+            with new.graph.inserting_after(repl):
+                parts = [new.graph.call_function(operator.getitem, (repl, i)) if op is None
+                         else new.graph.call_function(torch.select, (repl, 0, i))
+                         for i in range(1 + len(r.extra_outputs))]
+            # inserting_after puts each part right after repl, so they are in reverse order: fine (each
+            # reads only repl), and every user of theirs is later than the root or the extra node it replaces
+            root.replace_all_uses_with(parts[0])
+            replaced[r.root.name] = parts[0]
+            for e, part in zip(r.extra_outputs, parts[1:], strict=True):
+                # only its uses outside the region: the region's own nodes die with the root
+                nodes[e.name].replace_all_uses_with(part, delete_user_cb=lambda u, inside=inside: u not in inside)
+                replaced[e.name] = part
+            continue
         root.replace_all_uses_with(repl)
         replaced[r.root.name] = repl
     new.graph.eliminate_dead_code()

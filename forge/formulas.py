@@ -1,8 +1,9 @@
 """Recognising written-out formulas in forge/trace.py's canonical expression trees (kit layer: stdlib only).
 
-One rule, one owner: the gelu family matches gelu with it, and the linear family matches the activation
-after a GEMM with it (GPT-2's gelu_new), without one op file reaching another through the registry
-(docs/adr/0002-layers.md: op files import only the kit).
+One rule, one owner: the gelu family matches gelu with it and the linear family the activation after a
+GEMM (GPT-2's gelu_new); rmsnorm and layer_norm match their norms with it and add_norm the norm after a
+residual add, without one op file reaching another through the registry (docs/adr/0002-layers.md: op files
+import only the kit).
 """
 
 from __future__ import annotations
@@ -141,3 +142,117 @@ def match_gelu(expr) -> tuple[list, dict] | None:
             return None
         return [x[1]], {"approximate": mode[1].lower()}
     return _match_formula(expr)
+
+
+# -- rmsnorm (kernels/rmsnorm.py, kernels/add_norm.py) ------------------------------------------------
+def _reduced(mean) -> dict | None:
+    """The shape attributes of the mean inside rsqrt: {} (last dim), {"dims": k} or {"dim": d}."""
+    if mean[0] == "mean_last":
+        return {}
+    if mean[0] != "mean" or len(mean) != 5 or mean[3] != ("const", True) or mean[4] != ("const", None):
+        return None
+    dim = mean[2][1] if mean[2][0] == "const" else None
+    if isinstance(dim, int) and not isinstance(dim, bool) and dim < 0:
+        return {} if dim == -1 else {"dim": dim}
+    if isinstance(dim, tuple) and dim and all(isinstance(d, int) and d < 0 for d in dim):
+        k = len(dim)
+        if sorted(set(dim)) == list(range(-k, 0)) and len(set(dim)) == k:  # the last k dims, any order
+            return {} if k == 1 else {"dims": k}
+    return None  # several dims that are not the trailing ones, or positive (unnormalised) indices
+
+
+def _weight(e) -> tuple[int, tuple | None] | None:
+    """(input index, the shape a view gives it or None) for a weight operand: an input or a view of one."""
+    if e[0] == "input":
+        return e[1], None
+    if e[0] == "view" and e[1][0] == "input" and e[2][0] == "const" and isinstance(e[2][1], tuple):
+        return e[1][1], e[2][1]
+    return None
+
+
+def match_rmsnorm(expr) -> tuple[list, dict] | None:
+    """(input indices [x, w or None], attrs) if `expr` computes rmsnorm.
+
+    Recognised: F.rms_norm(x, normalized_shape, w, eps) and nn.RMSNorm over the trailing dims;
+    x * rsqrt(mean(x*x or x**2, dims, keepdim) + eps) [* w] in any order, over the last dim, several
+    trailing dims (mean((-2, -1))) or one other dim (mean(1) of NCHW), w an input or a view of one
+    (w.view(1, C, 1, 1), w[:, None, None]); x / sqrt(...) is the same tree after canonicalisation.
+    fill_missing checks that the weight's shape broadcasts over the normalized dims."""
+    if expr[0] == "rms_norm":
+        if len(expr) not in (4, 5):
+            return None
+        _, x, w, eps = expr[:4]
+        if x[0] != "input" or w[0] not in ("input", "none"):
+            return None
+        attrs = {"eps": float(eps), "form": "fused"}
+        if len(expr) == 5:
+            attrs["dims"] = int(expr[4])
+        return [x[1], w[1] if w[0] == "input" else None], attrs
+    if expr[0] != "mul":
+        return None
+    factors = list(expr[1:])
+    rsqrts = [f for f in factors if f[0] == "rsqrt"]
+    if len(rsqrts) != 1 or rsqrts[0][1][0] != "add" or len(rsqrts[0][1]) != 3:
+        return None
+    terms = rsqrts[0][1][1:]
+    consts = [t for t in terms if t[0] == "const" and isinstance(t[1], int | float)]
+    means = [t for t in terms if t[0] in ("mean_last", "mean")]
+    if len(consts) != 1 or len(means) != 1:
+        return None
+    shape_attrs = _reduced(means[0])
+    if shape_attrs is None:
+        return None
+    square = means[0][1]
+    if square[0] != "mul" or len(square) != 3 or square[1] != square[2] or square[1][0] != "input":
+        return None
+    x = square[1]
+    rest = list(factors)
+    rest.remove(rsqrts[0])
+    if x not in rest:
+        return None
+    rest.remove(x)
+    attrs = {"eps": float(consts[0][1]), **shape_attrs}
+    if not rest:
+        return [x[1], None], attrs
+    w = _weight(rest[0]) if len(rest) == 1 and rest[0] != x else None
+    if w is None:
+        return None
+    if w[1] is not None:
+        attrs["weight_view"] = w[1]
+    return [x[1], w[0]], attrs
+
+
+# -- layer_norm (kernels/layer_norm.py, kernels/add_norm.py) ------------------------------------------
+def _optional_input(e) -> tuple[bool, int | None]:
+    """(ok, index) for a weight/bias operand: an input tensor, or absent (None)."""
+    if e[0] == "input":
+        return True, e[1]
+    if e == ("const", None):
+        return True, None
+    return False, None
+
+
+def match_layer_norm(expr) -> tuple[list, dict] | None:
+    """(input indices [x, w or None, b or None], attrs) for F.layer_norm / nn.LayerNorm.
+
+    The trace ran the call, so normalized_shape is x's trailing shape (torch checks it, and w and b
+    have it): its length is the attribute dims (passed only when it is not 1)."""
+    if expr[0] != "layer_norm" or len(expr) != 6:
+        return None
+    _, x, ns, w, b, eps = expr
+    if x[0] != "input" or ns[0] != "const" or eps[0] != "const":
+        return None
+    ok_w, wi = _optional_input(w)
+    ok_b, bi = _optional_input(b)
+    eps = eps[1]
+    if not (ok_w and ok_b) or isinstance(eps, bool) or not isinstance(eps, int | float):
+        return None
+    shape = ns[1]
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, list | tuple) or not all(isinstance(s, int) for s in shape):
+        return None
+    attrs: dict = {"eps": float(eps)}
+    if len(shape) != 1:
+        attrs["normalized_shape"] = tuple(int(s) for s in shape)
+    return [x[1], wi, bi], attrs

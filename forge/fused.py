@@ -97,6 +97,7 @@ FUSED: dict[str, Fused | str] = {
         i[0], i[1], ignore_index=a["ignore_index"], reduction=a["reduction"]), same_as_eager=_always),
     "reduce": Fused("torch.sum / mean / amax / argmax", _reduce, same_as_eager=_always),
     "rope": "torch has no fused rotary-embedding op",
+    "add_norm": "torch has no fused residual-add-and-norm op (the reference: torch.add, then the norm's kernels)",
     "linear": "torch has no GEMM with a fused epilogue beyond F.linear's bias (the reference: F.linear / addmm, "
               "then each epilogue op)",
     "swiglu": "torch has no fused SwiGLU op (the reference: two F.linear, then F.silu(g) * u)",

@@ -46,6 +46,10 @@ class Region:
     seconds: float = 0.0  # --profile
     graph: int = 0  # which captured graph (TraceResult.graphs) the region is in
     inputs: list = field(default_factory=list)  # each leaf's name: a parameter's qualified name, else the node's
+    # Nodes inside the region whose values are read outside it too, and which the op's one output holds
+    # besides the root's (add_norm: h = x + r, read by the next residual add; its output is (2, ...), y
+    # in [0] and h in [1]). Only for families that declare KEEP_MULTI_USE; forge/backend.py splits them.
+    extra_outputs: list = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -151,12 +155,37 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
     gemm_in, gemm_out = _gemm_cuts(graph, calls, heads)
     cut_gemm = _through_upcasts(graph, (multi - gemm_out) | gemm_in)
     whole = graph.bounded()  # nodes whose whole tree is small enough to match with no cut
+    # Families whose region keeps a multi-use node of these heads inside (add_norm: the residual add that
+    # feeds a norm and the next residual add), its own inputs cut instead; tried only with those families,
+    # before every other cut but the whole tree (cut_gemm would cut the add and give the plain norm).
+    keepers = [f for f in specific if getattr(f.module, "KEEP_MULTI_USE", ())]
+    keep_heads = frozenset(h for f in keepers for h in f.module.KEEP_MULTI_USE)
     for n in reversed(calls):
         if n in covered:
             continue
         direct = _through_upcasts(graph, {a for a in n.all_input_nodes if a.op.startswith("call_")})
         found, tried = None, {}  # cut -> the families tried with it
-        for cut, fams in ((frozenset(), families), (cut_gemm, families), (cut_multi, families),
+        inner = []  # for each multi-use node of a kept head at the edge of n's cut_multi tree: cut below it
+        if keepers:
+            for leaf in graph.expr(n, cut=cut_multi, number_args=False).leaves:
+                if isinstance(leaf, str) or leaf not in multi or leaf in covered:
+                    continue
+                # Through what passes the value on unchanged or widens it exactly (HF's LlamaRMSNorm reads
+                # h.to(float32): in float32 a no-op, in half precision an exact upcast): the multi-use node
+                # may be that cast, the kept add beneath it.
+                chain, kept = [leaf], leaf
+                while heads.get(kept) == "input" or graph.upcast_source(kept) is not None:
+                    ins = [a for a in kept.all_input_nodes if a.op.startswith("call_")]
+                    if len(ins) != 1:
+                        break
+                    kept = ins[0]
+                    chain.append(kept)
+                if heads.get(kept) in keep_heads and kept not in covered:
+                    below = {a for a in kept.all_input_nodes if a.op.startswith("call_")}
+                    # every multi-use node that is, or casts up exactly from, a node of the chain stays inside
+                    inside = {m for m in multi if m in chain or _through_upcasts(graph, {m}) & set(chain)}
+                    inner.append((_through_upcasts(graph, (multi - inside) | below), keepers))
+        for cut, fams in ((frozenset(), families), *inner, (cut_gemm, families), (cut_multi, families),
                           (cut_bound_specific, specific), (cut_bound, generic), (direct, families)):
             fams = [f for f in fams if f.name not in tried.get(cut, ())]
             if not fams or (not cut and n not in whole):
@@ -166,6 +195,10 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
             for fam in fams:
                 m = getattr(fam.module, "match", None)
                 if m is not None and (res := m(traced.expr)) is not None:
+                    if getattr(fam.module, "KEEP_MULTI_USE", ()) and not _fits(fam, traced, *res, device):
+                        # a region that keeps a shared node inside but cannot take these inputs (GPT-2's
+                        # wte + wpe broadcast add) would leave its norm eager: the plain norm is tried instead
+                        continue
                     found = (fam, traced, *res)
                     break
             if found:
@@ -179,24 +212,14 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
                         op=fam.name, indices=list(indices), attrs=dict(attrs), graph=graph_index,
                         inputs=[_leaf_name(leaf, t, names) for leaf, t in zip(traced.leaves, traced.tensors,
                                                                               strict=True)])
+        if getattr(fam.module, "KEEP_MULTI_USE", ()):
+            inside = set(region.nodes)
+            region.extra_outputs = [m for m in region.nodes if m is not n and any(u not in inside for u in m.users)]
         covered.update(region.nodes)
         picked = [traced.tensors[i] if i is not None else None for i in indices]
         try:
-            inputs = ops.fill_inputs(fam.module, picked, attrs)
-            x = inputs[0]
-            dtype = dtype_name(x.dtype)
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype {x.dtype} is not supported")
-            problem = getattr(fam.module, "problem", None)
-            shape = tuple(problem(inputs, attrs)) if problem else tuple(x.shape)
-            attrs, why = ops.strided_attrs(fam, inputs, attrs)
-            if why is not None:
-                raise ValueError(why)
-            spec = fam.module.make_spec(shape, dtype, "cuda" if device == "cuda" else "cpu", attrs)
-            actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
-            if actual != [(s.shape, s.dtype) for s in spec.inputs]:
-                raise ValueError(f"input shapes/dtypes {actual} do not fit {fam.name}'s kernel")
-            region.shape, region.dtype, region.attrs = shape, dtype, dict(spec.attrs)
+            shape, dtype, region.attrs = _fit(fam, picked, attrs, device)
+            region.shape, region.dtype = shape, dtype
         except ValueError as exc:
             region.unsupported = str(exc)
             first = dtype_name(picked[0].dtype) if isinstance(picked[0], torch.Tensor) else None
@@ -211,6 +234,35 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
     unmatched = [Unmatched(n, _describe_call(n), tuple(graph.values[n].shape), reasons.get(n, "no op family matches"),
                            graph=graph_index) for n in calls if n not in covered]
     return regions, unmatched
+
+
+def _fit(fam, picked: list, attrs: dict, device: str) -> tuple[tuple, str, dict]:
+    """(problem shape, dtype, the spec's attrs) of a matched region's inputs, or ValueError with the
+    reason its kernels cannot take them (a dtype, a layout, shapes that do not fit the spec)."""
+    inputs = ops.fill_inputs(fam.module, picked, attrs)
+    x = inputs[0]
+    dtype = dtype_name(x.dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {x.dtype} is not supported")
+    problem = getattr(fam.module, "problem", None)
+    attrs = dict(attrs)
+    shape = tuple(problem(inputs, attrs)) if problem else tuple(x.shape)
+    attrs, why = ops.strided_attrs(fam, inputs, attrs)
+    if why is not None:
+        raise ValueError(why)
+    spec = fam.module.make_spec(shape, dtype, "cuda" if device == "cuda" else "cpu", attrs)
+    actual = [(tuple(t.shape), dtype_name(t.dtype)) for t in inputs]
+    if actual != [(s.shape, s.dtype) for s in spec.inputs]:
+        raise ValueError(f"input shapes/dtypes {actual} do not fit {fam.name}'s kernel")
+    return shape, dtype, dict(spec.attrs)
+
+
+def _fits(fam, traced, indices: list, attrs: dict, device: str) -> bool:
+    try:
+        _fit(fam, [traced.tensors[i] if i is not None else None for i in indices], attrs, device)
+    except ValueError:
+        return False
+    return True
 
 
 def _leaf_name(leaf, tensor, names: dict | None) -> str:

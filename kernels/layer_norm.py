@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from forge import opkit
+from forge import formulas, opkit
 from forge.spec import KernelSpec, TensorSpec
 
 NAME = "layer_norm"
@@ -160,40 +160,10 @@ def flops(spec: KernelSpec) -> int:
     return 8 * spec.inputs[0].numel
 
 
-# -- recognising layer_norm in user code (forge/trace.py canonical forms) --------------------------
-def _optional_input(e) -> tuple[bool, int | None]:
-    """(ok, index) for a weight/bias operand: an input tensor, or absent (None)."""
-    if e[0] == "input":
-        return True, e[1]
-    if e == ("const", None):
-        return True, None
-    return False, None
-
-
+# -- recognising layer_norm in user code (forge/trace.py canonical forms): forge/formulas.py owns the rule ---
 def match(expr) -> tuple[list, dict] | None:
-    """(input indices [x, w or None, b or None], attrs) for F.layer_norm / nn.LayerNorm.
-
-    The trace ran the call, so normalized_shape is x's trailing shape (torch checks it, and w and b
-    have it): its length is the attribute dims (passed only when it is not 1)."""
-    if expr[0] != "layer_norm" or len(expr) != 6:
-        return None
-    _, x, ns, w, b, eps = expr
-    if x[0] != "input" or ns[0] != "const" or eps[0] != "const":
-        return None
-    ok_w, wi = _optional_input(w)
-    ok_b, bi = _optional_input(b)
-    eps = eps[1]
-    if not (ok_w and ok_b) or isinstance(eps, bool) or not isinstance(eps, int | float):
-        return None
-    shape = ns[1]
-    if isinstance(shape, int) and not isinstance(shape, bool):
-        shape = (shape,)
-    if not isinstance(shape, list | tuple) or not all(isinstance(s, int) for s in shape):
-        return None
-    attrs: dict = {"eps": float(eps)}
-    if len(shape) != 1:
-        attrs["normalized_shape"] = tuple(int(s) for s in shape)
-    return [x[1], wi, bi], attrs
+    """F.layer_norm / nn.LayerNorm: forge/formulas.py match_layer_norm."""
+    return formulas.match_layer_norm(expr)
 
 
 def fill_missing(inputs: list, attrs: dict | None = None):

@@ -7,7 +7,7 @@ non-last dim runs the "strided" variant on contiguous x viewed as (outer, R, inn
 
 from __future__ import annotations
 
-from forge import opkit
+from forge import formulas, opkit
 from forge.spec import KernelSpec, TensorSpec
 
 NAME = "rmsnorm"
@@ -151,82 +151,11 @@ def flops(spec: KernelSpec) -> int:
     return 4 * spec.inputs[0].numel
 
 
-# -- recognising rmsnorm in user code (forge/trace.py canonical forms) ----------------------------
-def _reduced(mean) -> dict | None:
-    """The shape attributes of the mean inside rsqrt: {} (last dim), {"dims": k} or {"dim": d}."""
-    if mean[0] == "mean_last":
-        return {}
-    if mean[0] != "mean" or len(mean) != 5 or mean[3] != ("const", True) or mean[4] != ("const", None):
-        return None
-    dim = mean[2][1] if mean[2][0] == "const" else None
-    if isinstance(dim, int) and not isinstance(dim, bool) and dim < 0:
-        return {} if dim == -1 else {"dim": dim}
-    if isinstance(dim, tuple) and dim and all(isinstance(d, int) and d < 0 for d in dim):
-        k = len(dim)
-        if sorted(set(dim)) == list(range(-k, 0)) and len(set(dim)) == k:  # the last k dims, any order
-            return {} if k == 1 else {"dims": k}
-    return None  # several dims that are not the trailing ones, or positive (unnormalised) indices
-
-
-def _weight(e) -> tuple[int, tuple | None] | None:
-    """(input index, the shape a view gives it or None) for a weight operand: an input or a view of one."""
-    if e[0] == "input":
-        return e[1], None
-    if e[0] == "view" and e[1][0] == "input" and e[2][0] == "const" and isinstance(e[2][1], tuple):
-        return e[1][1], e[2][1]
-    return None
-
-
+# -- recognising rmsnorm in user code (forge/trace.py canonical forms): forge/formulas.py owns the rule ------
 def match(expr) -> tuple[list, dict] | None:
-    """(input indices [x, w or None], attrs) if `expr` computes rmsnorm.
-
-    Recognised: F.rms_norm(x, normalized_shape, w, eps) and nn.RMSNorm over the trailing dims;
-    x * rsqrt(mean(x*x or x**2, dims, keepdim) + eps) [* w] in any order, over the last dim, several
-    trailing dims (mean((-2, -1))) or one other dim (mean(1) of NCHW), w an input or a view of one
-    (w.view(1, C, 1, 1), w[:, None, None]); x / sqrt(...) is the same tree after canonicalisation.
-    fill_missing checks that the weight's shape broadcasts over the normalized dims."""
-    if expr[0] == "rms_norm":
-        if len(expr) not in (4, 5):
-            return None
-        _, x, w, eps = expr[:4]
-        if x[0] != "input" or w[0] not in ("input", "none"):
-            return None
-        attrs = {"eps": float(eps), "form": "fused"}
-        if len(expr) == 5:
-            attrs["dims"] = int(expr[4])
-        return [x[1], w[1] if w[0] == "input" else None], attrs
-    if expr[0] != "mul":
-        return None
-    factors = list(expr[1:])
-    rsqrts = [f for f in factors if f[0] == "rsqrt"]
-    if len(rsqrts) != 1 or rsqrts[0][1][0] != "add" or len(rsqrts[0][1]) != 3:
-        return None
-    terms = rsqrts[0][1][1:]
-    consts = [t for t in terms if t[0] == "const" and isinstance(t[1], int | float)]
-    means = [t for t in terms if t[0] in ("mean_last", "mean")]
-    if len(consts) != 1 or len(means) != 1:
-        return None
-    shape_attrs = _reduced(means[0])
-    if shape_attrs is None:
-        return None
-    square = means[0][1]
-    if square[0] != "mul" or len(square) != 3 or square[1] != square[2] or square[1][0] != "input":
-        return None
-    x = square[1]
-    rest = list(factors)
-    rest.remove(rsqrts[0])
-    if x not in rest:
-        return None
-    rest.remove(x)
-    attrs = {"eps": float(consts[0][1]), **shape_attrs}
-    if not rest:
-        return [x[1], None], attrs
-    w = _weight(rest[0]) if len(rest) == 1 and rest[0] != x else None
-    if w is None:
-        return None
-    if w[1] is not None:
-        attrs["weight_view"] = w[1]
-    return [x[1], w[0]], attrs
+    """F.rms_norm / nn.RMSNorm (form="fused") and the formula over the last dim, several trailing dims or one
+    other dim: forge/formulas.py match_rmsnorm."""
+    return formulas.match_rmsnorm(expr)
 
 
 def _squeezed(shape) -> tuple:

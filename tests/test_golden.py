@@ -57,10 +57,14 @@ ATTRS["layer_norm"] += [{"dims": 2}]
 ATTRS["reduce"] += [{"kind": "amin"}, {"kind": "argmin", "dim": -2, "keepdim": True}, {"kind": "sum", "dim": -2}]
 # Issue 14's generated pointwise chains (added later too: its own entries).
 ATTRS["pointwise"] = [{}, {"expr": "add(mul(x0,2.0),relu(x1))"}, {"expr": "add(x0,x1)", "input_shapes": "c;4096"}]
+# Issue 14's residual add + norm (its own entries, added with the family).
+ATTRS["add_norm"] = [{}, {"norm": "layer_norm", "eps": 1e-5}, {"form": "fused"}]
+REALISTIC["add_norm"] = [(2048, 4096)]
 # Specs rendered besides the default-attribute ones: the variants only their attributes reach (an op's
 # VARIANT_ATTRS) and the trailing-dims forms; keyed with the attributes.
 RENDER_ATTRS = {
     "rmsnorm": [{"dim": -2}, {"dims": 2}], "layer_norm": [{"dims": 2}],
+    "add_norm": [{"norm": "layer_norm", "eps": 1e-5}],
     "reduce": [{"dim": -2, "kind": k} for k in ("sum", "mean", "amax", "amin", "argmax", "argmin")]
     + [{"kind": "amin"}, {"kind": "argmin"}],
     "pointwise": [{"expr": "where(gt(x0,0.0),x0,mul(tanh(x1),0.01))"}, {"expr": "add(x0,x1)", "input_shapes": "c;33"}],

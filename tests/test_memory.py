@@ -51,6 +51,7 @@ CASES = {
     "softmax": ROWS, "log_softmax": ROWS, "layer_norm": ROWS + [((2, 3, 5, 7), {"dims": 2})],
     "rmsnorm": ROWS + [((2, 3, 5, 7), {"dims": 3}), ((2, 5, 3, 7), {"dim": -3}), ((3, 37), {"form": "fused"})],
     "silu_mul": ROWS + [((3, 37), {"form": "formula"})],
+    "add_norm": ROWS + [((3, 37), {"norm": "layer_norm", "eps": 1e-5}), ((5, 300), {"form": "fused"})],
     "gelu": ROWS + [((4, 33), {"approximate": "tanh"}), ((4, 33), {"approximate": "tanh", "form": "formula"})],
     "pointwise": ROWS + [((4, 33), {"expr": "add(x0,mul(x1,2.0))", "input_shapes": "c;33"}),
                          ((3, 37), {"expr": "where(gt(x0,0.0),x0,mul(tanh(x1),0.01))"})],
@@ -136,7 +137,8 @@ def _largest_float64_allocation(fn) -> int:
 BOUND_BUDGET = 32 << 10
 BOUND_CASES = {
     "softmax": ((64, 96), {}), "log_softmax": ((64, 96), {}), "rmsnorm": ((64, 96), {}),
-    "layer_norm": ((64, 96), {}), "gelu": ((64, 96), {}), "silu_mul": ((64, 96), {}),
+    "layer_norm": ((64, 96), {}), "gelu": ((64, 96), {}),
+    "add_norm": ((64, 96), {"norm": "layer_norm"}), "silu_mul": ((64, 96), {}),
     "reduce": ((64, 96), {"kind": "argmax"}), "cross_entropy": ((64, 96), {}),
     "matmul": ((64, 96, 48), {}), "rope": ((2, 4, 32, 32), {}),
     "linear": ((64, 96, 48), {"bias": "linear", "residual": True}), "swiglu": ((64, 96, 48), {}),

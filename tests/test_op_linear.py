@@ -252,10 +252,11 @@ def test_regions_of_a_tiny_gpt2_and_bert():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_CFG, attn_implementation="sdpa")).eval()
     result = _trace(gpt2, _ids())
     lin = _by_op(result)["linear"]
-    # per layer: c_attn, c_proj + residual, c_fc + gelu_new (tanh gelu), c_proj + residual; then the tied lm_head
+    # per layer: c_attn, c_proj, c_fc + gelu_new (tanh gelu), c_proj; then the tied lm_head. The residual adds
+    # after c_proj feed the next layer_norm: they are add_norm regions (kernels/add_norm.py), not epilogues.
     acts = [(r.attrs["weight"], r.attrs["activation"], r.attrs["residual"]) for r in lin]
-    assert acts == [("kn", "none", False), ("kn", "none", True), ("kn", "gelu_tanh", False), ("kn", "none", True)] * 2 \
-        + [("nk", "none", False)]
+    assert acts == [("kn", "none", False), ("kn", "none", False), ("kn", "gelu_tanh", False), ("kn", "none", False)] \
+        * 2 + [("nk", "none", False)]
     assert all(r.unsupported is None and len(r.shape) == 4 for r in lin)
     assert "gelu" not in _by_op(result)
     for r in lin:
@@ -264,6 +265,8 @@ def test_regions_of_a_tiny_gpt2_and_bert():
     bert = transformers.BertModel(transformers.BertConfig(**BERT_CFG, attn_implementation="sdpa")).eval()
     result = _trace(bert, _ids())
     lin = _by_op(result)["linear"]
-    assert sum(r.attrs["activation"] == "gelu" for r in lin) == 2 and sum(r.attrs["residual"] for r in lin) == 4
+    # BERT is post-norm, LayerNorm(dense(x) + input): the add goes with its norm (add_norm), not with the GEMM
+    assert sum(r.attrs["activation"] == "gelu" for r in lin) == 2 and sum(r.attrs["residual"] for r in lin) == 0
+    assert len(_by_op(result)["add_norm"]) == 4
     for r in lin:
         _assert_region_computes_its_node(result, r)

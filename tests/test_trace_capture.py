@@ -63,7 +63,7 @@ def _by_op(result) -> dict:
 def _counts(by: dict) -> Counter:
     """Regions per op, leaving out the rotary embedding's inv_freq @ positions: transformers 5.17 writes
     it as a matmul (a region), 5.24 as a broadcast product."""
-    assert set(by) <= {"rmsnorm", "rope", "sdpa", "silu_mul", "layer_norm", "gelu", "matmul", "linear",
+    assert set(by) <= {"rmsnorm", "add_norm", "rope", "sdpa", "silu_mul", "layer_norm", "gelu", "matmul", "linear",
                        "swiglu"}, set(by)
     assert len(by.get("matmul", [])) <= 1
     return Counter({op: len(rs) for op, rs in by.items() if op != "matmul"})
@@ -86,9 +86,15 @@ def _assert_region_computes_its_node(result, r, rtol=1e-5, atol=1e-5):
     g = result.graphs[r.graph]
     leaves = [g.values[leaf] for leaf in r.leaves]
     fam = ops.get(r.op).module
-    inputs = fam.fill_missing([leaves[i] if i is not None else None for i in r.indices])
+    inputs = ops.fill_inputs(fam, [leaves[i] if i is not None else None for i in r.indices], r.attrs)
     want = g.values[r.root]
-    got = fam.reference(inputs, r.attrs)
+    with torch.no_grad():
+        got = fam.reference(inputs, r.attrs)
+    if r.extra_outputs:  # add_norm: one (2, ...) output, the root's value then the shared add's
+        (extra,) = r.extra_outputs
+        torch.testing.assert_close(got[1], g.values[extra], rtol=0, atol=0)
+    if r.op == "add_norm":
+        got = got[0]
     assert got.shape == want.shape and got.dtype == want.dtype, (r.label, got.shape, want.shape)
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
@@ -98,14 +104,18 @@ def test_llama_rmsnorm_silu_mul_rope_and_sdpa_regions():
     result = _trace(_llama(), _ids())
     assert len(result.graphs) == 1 and result.breaks == []
     by = _by_op(result)
-    # linear: q, k, v, o_proj + residual, down_proj + residual per layer, and lm_head (tests/test_op_swiglu.py)
-    assert _counts(by) == Counter(rmsnorm=5, rope=4, sdpa=2, swiglu=2, linear=11)
+    # linear: q, k, v, o_proj, down_proj per layer, and lm_head (tests/test_op_swiglu.py). Each residual add
+    # feeds the next RMSNorm (through h.to(float32), a no-op in float32) and the next residual add: add_norm
+    # (the add inside, h its extra output); the first layer's input_layernorm reads the embeddings: rmsnorm.
+    assert _counts(by) == Counter(rmsnorm=1, add_norm=4, rope=4, sdpa=2, swiglu=2, linear=11)
+    assert [len(r.extra_outputs) for r in by["add_norm"]] == [1, 1, 1, 0]  # model.norm: h read by it only
 
     # RMSNorm (HF: weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype); in float32 every
     # cast is a no-op): matched with its weight, shape and dtype from the captured example values.
-    norms = by["rmsnorm"]
-    assert all((r.shape, r.dtype, r.attrs, r.unsupported) == ((2, 16, 64), "float32", {"eps": 1e-6}, None)
-               for r in norms)
+    norms = by["rmsnorm"] + by["add_norm"]
+    assert all((r.shape, r.dtype, r.unsupported) == ((2, 16, 64), "float32", None) for r in norms)
+    assert [r.attrs for r in by["rmsnorm"]] == [{"eps": 1e-6}]
+    assert all(r.attrs == {"norm": "rmsnorm", "eps": 1e-6} for r in by["add_norm"])
     weights = sorted(name for r in norms for name in r.inputs if name.endswith("weight"))
     assert weights == sorted([f"model.layers.{i}.{n}.weight" for i in range(2)
                               for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"])
@@ -136,8 +146,15 @@ def test_gpt2_layer_norms_and_gelu_new():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_CFG, attn_implementation="sdpa")).eval()
     result = _trace(model, _ids())
     by = _by_op(result)
-    # linear per layer: c_attn, c_proj + residual, c_fc + gelu_new, c_proj + residual; and the lm_head
-    assert _counts(by) == Counter(layer_norm=5, linear=9, sdpa=2)
+    # linear per layer: c_attn, c_proj, c_fc + gelu_new, c_proj; and the lm_head. Each residual add feeds
+    # the next layer_norm and the next residual add: add_norm (the add inside, h its extra output), so
+    # c_proj no longer takes the residual as its epilogue. The first ln_1 reads the embeddings' sum wte + wpe
+    # (through dropout, a no-op in eval): a broadcast add add_norm cannot take, so it is a plain layer_norm.
+    assert _counts(by) == Counter(layer_norm=1, add_norm=4, linear=9, sdpa=2)
+    for r in by["add_norm"]:
+        assert (r.shape, r.attrs, r.unsupported) == ((2, 16, 64), {"norm": "layer_norm", "eps": 1e-5}, None)
+    # h is read again after every layer but the last (there ln_f is its only reader: no extra output)
+    assert [len(r.extra_outputs) for r in by["add_norm"]] == [1, 1, 1, 0]
     for r in by["layer_norm"]:
         assert (r.shape, r.dtype, r.attrs, r.unsupported) == ((2, 16, 64), "float32", {"eps": 1e-5}, None)
         assert [n.rsplit(".", 1)[-1] for n in r.inputs[1:]] == ["weight", "bias"]
@@ -162,8 +179,11 @@ def test_bert_layer_norms_and_gelu():
     by = _by_op(result)
     # linear per layer: query, key, value, attention output + residual, intermediate + gelu, output +
     # residual; and the pooler
-    assert _counts(by) == Counter(layer_norm=5, linear=13, sdpa=2)
+    # post-norm: LayerNorm(dense(x) + input) is add_norm (its add single-use: no extra output), but for the
+    # embeddings' LayerNorm
+    assert _counts(by) == Counter(layer_norm=1, add_norm=4, linear=13, sdpa=2)
     assert all((r.shape, r.attrs, r.unsupported) == ((2, 16, 64), {"eps": 1e-12}, None) for r in by["layer_norm"])
+    assert all((r.attrs, r.extra_outputs) == ({"norm": "layer_norm", "eps": 1e-12}, []) for r in by["add_norm"])
     assert [r.shape for r in by["linear"] if r.attrs["activation"] == "gelu"] == [(2, 16, 128, 64)] * 2
     for r in by["layer_norm"] + by["linear"]:
         _assert_region_computes_its_node(result, r)
@@ -209,18 +229,20 @@ def test_cli_traces_a_hf_model_file_function(llama_file, tmp_path):
     by: dict = {}
     for r in doc["regions"]:
         by.setdefault(r["op"], []).append(r)
-    # linear: q, k, v, o_proj + residual, down_proj + residual per layer, and lm_head (tests/test_op_swiglu.py)
-    assert _counts(by) == Counter(rmsnorm=5, rope=4, sdpa=2, swiglu=2, linear=11)
+    # as test_llama_rmsnorm_silu_mul_rope_and_sdpa_regions: the residual adds and their norms are add_norm
+    assert _counts(by) == Counter(rmsnorm=1, add_norm=4, rope=4, sdpa=2, swiglu=2, linear=11)
     tunable = sorted({(r["op"], tuple(r["shape"]), r["dtype"]) for r in doc["regions"]
                       if r["tunable"] and r["op"] not in ("matmul", "linear")})
     # sdpa is tunable where HF calls it with is_causal (transformers 5.24); 5.17 passes a mask tensor
     causal_call = any(r["op"] == "sdpa" and "attn_mask" not in r["attrs"] for r in doc["regions"])
-    assert tunable == [("rmsnorm", (2, 16, 64), "float32"), ("rope", (2, 2, 16, 16), "float32"),
+    assert tunable == [("add_norm", (2, 16, 64), "float32"), ("rmsnorm", (2, 16, 64), "float32"),
+                       ("rope", (2, 2, 16, 16), "float32"),
                        ("rope", (2, 4, 16, 16), "float32"),
                        *([("sdpa", (2, 4, 16, 16, 16), "float32")] if causal_call else []),
                        ("swiglu", (2, 16, 128, 64), "float32")]
     # the weights the function's global `model` holds, by name
-    names = {n for r in doc["regions"] if r["op"] == "rmsnorm" for n in r["inputs"] if n.endswith("weight")}
+    names = {n for r in doc["regions"] if r["op"] in ("rmsnorm", "add_norm") for n in r["inputs"]
+             if n.endswith("weight")}
     assert names == {*(f"model.model.layers.{i}.{n}.weight" for i in range(2)
                        for n in ("input_layernorm", "post_attention_layernorm")), "model.model.norm.weight"}
     labels = [j.label for j in manifest.load(out, env={}).jobs if j.op not in ("matmul", "linear")]
@@ -229,6 +251,7 @@ def test_cli_traces_a_hf_model_file_function(llama_file, tmp_path):
                       "rope 2x4x16x16 float32 cos_batch=1 strides=1024,16,64,1;c;c",
                       "rope 2x2x16x16 float32 cos_batch=1 strides=512,16,32,1;c;c",
                       *(f"sdpa 2x4x16x16x16 float32 causal=True kv_heads=2 scale=0.25 strides={st}" for st in sdpa),
+                      "add_norm 2x16x64 float32 eps=1e-06 norm=rmsnorm",
                       "swiglu 2x16x128x64 float32"]
     v = doc["verify"]  # nothing cached: every region runs eager, the capture replays exactly
     assert v["ok"] and v["swapped"] == 0 and v["rel_error"] == 0.0 and v["graphs"] == 1

@@ -104,7 +104,8 @@ def candidates_table(report: engine.SearchReport, top: int) -> Table:
         table.add_row("", f"... {len(ok) - top} more ok", "", "", "", "", "", "")
     for c in bad:
         reason = (c.get("reason") or "").splitlines()[0][:90] if c.get("reason") else ""
-        table.add_row("", c["variant"], c.get("label") or fmt_params(c["params"]), "", "", "", "", status_cell(c["status"], reason))
+        table.add_row("", c["variant"], c.get("label") or fmt_params(c["params"]), "", "", "", "",
+                      status_cell(c["status"], reason))
     return table
 
 

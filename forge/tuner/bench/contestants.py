@@ -46,6 +46,21 @@ def _liger_rmsnorm():
     return "liger_rms_norm", lambda i, a: fn(i[0], i[1], a["eps"])
 
 
+def _liger_add_norm():
+    # LigerFusedAddRMSNormFunction (liger_kernel >= 0.6): (x, r, w, eps) -> (y, h), rmsnorm only. Its two
+    # outputs are stacked into forge's (2, ...) layout: one extra copy of both, timed with it.
+    fn = _liger_api("liger_fused_add_rms_norm", "liger_kernel.ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
+
+    def call(i, a):
+        if a.get("norm") != "rmsnorm":
+            raise _Unavailable("Liger-Kernel fuses the residual add with rmsnorm only, not layer_norm")
+        import torch
+
+        return torch.stack(fn(i[0], i[1], i[2], a["eps"]))
+
+    return "liger_fused_add_rms_norm (+ stack)", call
+
+
 def _liger_softmax():
     fn = _liger_api("liger_softmax", "liger_kernel.ops.softmax", "LigerSoftmaxFunction")
     return "liger_softmax", lambda i, a: fn(i[0])
@@ -76,6 +91,7 @@ def _liger_cross_entropy():
 
 LIGER: dict[str, Callable[[], tuple[str, Callable]] | str] = {
     "rmsnorm": _liger_rmsnorm,
+    "add_norm": _liger_add_norm,
     "softmax": _liger_softmax,
     "layer_norm": _liger_layer_norm,
     "silu_mul": _liger_swiglu,
