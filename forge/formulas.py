@@ -170,6 +170,43 @@ def _weight(e) -> tuple[int, tuple | None] | None:
     return None
 
 
+_HALF = ("float16", "bfloat16")
+
+
+def _strip_upcasts(e):
+    """e with every ("cast", input, float32) replaced by the input: the float32 arithmetic on half inputs
+    the kernels do anyway (they load, widen exactly, compute in fp32)."""
+    if not isinstance(e, tuple) or not e or not isinstance(e[0], str) or e[0] in ("input", "const", "none"):
+        return e
+    if e[0] == "cast" and e[2] == ("const", "float32") and e[1][0] == "input":
+        return e[1]
+    return (e[0], *(_strip_upcasts(a) for a in e[1:]))
+
+
+def _match_hf_half(expr) -> tuple[list, dict] | None:
+    """Hugging Face's LlamaRMSNorm in half precision: weight * (x.float() * rsqrt(mean(x.float()**2) + eps))
+    .to(x.dtype) rounds twice (the normalised value to x's dtype, then the product with the weight):
+    form="hf", which the kernels compute exactly so (rmsnorm's round_before_weight). The cast's dtype is
+    passed as a note (hf_dtype) that fill_missing checks against x's: a cast to another dtype is not it."""
+    if len(expr) != 3:
+        return None
+    casts = [t for t in expr[1:] if t[0] == "cast" and t[2][0] == "const" and t[2][1] in _HALF]
+    if len(casts) != 1:
+        return None
+    rest = [t for t in expr[1:] if t is not casts[0]]
+    w = _weight(rest[0])
+    inner = _strip_upcasts(casts[0][1])
+    if w is None or inner == casts[0][1]:  # nothing widened: not the half-precision spelling
+        return None
+    got = match_rmsnorm(inner)
+    if got is None or got[0][1] is not None or "form" in got[1]:  # the normalisation alone, no weight
+        return None
+    attrs = {**got[1], "form": "hf", "hf_dtype": casts[0][2][1]}
+    if w[1] is not None:
+        attrs["weight_view"] = w[1]
+    return [got[0][0], w[0]], attrs
+
+
 def match_rmsnorm(expr) -> tuple[list, dict] | None:
     """(input indices [x, w or None], attrs) if `expr` computes rmsnorm.
 
@@ -190,6 +227,9 @@ def match_rmsnorm(expr) -> tuple[list, dict] | None:
         return [x[1], w[1] if w[0] == "input" else None], attrs
     if expr[0] != "mul":
         return None
+    hf = _match_hf_half(expr)
+    if hf is not None:
+        return hf
     factors = list(expr[1:])
     rsqrts = [f for f in factors if f[0] == "rsqrt"]
     if len(rsqrts) != 1 or rsqrts[0][1][0] != "add" or len(rsqrts[0][1]) != 3:

@@ -19,10 +19,13 @@ DEFAULT_ATTRS = {"eps": 1e-6}
 # the last dim is what it always was. "weight_view" is the matcher's note, never in a spec: the shape
 # the user's expression gives the weight (w.view(1, C, 1, 1)), for fill_missing to check.
 SHAPE_ATTRS = {"dims": 1, "dim": -1}
-_NOTES = ("weight_view",)
+_NOTES = ("weight_view", "hf_dtype")
 # form="fused": the user's code calls F.rms_norm / nn.RMSNorm (torch's fused op); the reference, the search's
-# baseline, then is that call. Absent: the formula as users write it (5 eager kernels), with F.rms_norm one
-# more candidate (forge/fused.py).
+# baseline, then is that call. form="hf": Hugging Face's LlamaRMSNorm in half precision, which rounds twice
+# (weight * (x.float() * rstd).to(dtype)); the reference runs it so and the kernels compute it so (their
+# round_before_weight), so a swapped region gives the module's own values. Absent: the formula as users
+# write it (5 eager kernels), with F.rms_norm one more candidate (forge/fused.py).
+FORMS = ("fused", "hf")
 OPTIONAL_ATTRS = ("form", *SHAPE_ATTRS)  # manifests may name them (forge trace --write-manifest writes them)
 FILL_MISSING_ATTRS = True  # the weight's shape depends on dims/dim (forge/ops.py)
 VARIANT_ATTRS = {"strided": {"dim": -2}}
@@ -40,9 +43,11 @@ def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | Non
     unknown = set(a) - set(DEFAULT_ATTRS) - set(SHAPE_ATTRS) - set(OPTIONAL_ATTRS)
     if unknown:
         raise ValueError(f"rmsnorm takes attributes {sorted(DEFAULT_ATTRS)}, not {sorted(unknown)}")
-    if a.get("form", "fused") != "fused":
-        raise ValueError(f"form={a['form']!r}: rmsnorm knows form='fused' (F.rms_norm / nn.RMSNorm) or no form "
-                         "(the formula)")
+    if a.get("form", "fused") not in FORMS:
+        raise ValueError(f"form={a['form']!r}: rmsnorm knows form='fused' (F.rms_norm / nn.RMSNorm), 'hf' (Hugging "
+                         "Face's half-precision LlamaRMSNorm) or no form (the formula)")
+    if a.get("form") == "hf" and dtype not in ("float16", "bfloat16"):
+        a.pop("form")  # in float32 HF's casts are no-ops: the plain formula, one spec and key
     a["eps"] = float(a["eps"])
     shape = tuple(shape)
     dims = a.pop("dims", 1)
@@ -79,6 +84,9 @@ def reference(inputs, attrs):
     import torch
 
     x, w = inputs
+    if attrs.get("form") == "hf":  # Hugging Face's LlamaRMSNorm: float32 normalisation, rounded, times w
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + attrs["eps"])).to(x.dtype)
     if attrs.get("form") == "fused":  # the user calls torch's op
         import torch.nn.functional as F
 
@@ -120,8 +128,12 @@ def default(spec: KernelSpec) -> opkit.Candidate:
 
 def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     if cand.variant == opkit.STRIDED_VARIANT:
-        return opkit.strided_render_context(spec, cand, NAME)
-    return opkit.row_render_context(spec, cand, NAME)
+        ctx = opkit.strided_render_context(spec, cand, NAME)
+    else:
+        ctx = opkit.row_render_context(spec, cand, NAME)
+    # form="hf": the normalised value rounded to the output dtype before the weight multiplies it (as HF's
+    # half-precision LlamaRMSNorm); every other spec renders as before (tests/test_golden.py)
+    return {**ctx, "round_before_weight": spec.attrs.get("form") == "hf"}
 
 
 def oracle(inputs, attrs):
@@ -177,6 +189,10 @@ def fill_missing(inputs: list, attrs: dict | None = None):
 
     x, w = inputs
     attrs = attrs or {}
+    hf_dtype = attrs.get("hf_dtype")
+    if hf_dtype is not None and str(x.dtype).removeprefix("torch.") != hf_dtype:
+        raise ValueError(f"the normalised value is cast to {hf_dtype}, not to x's dtype {x.dtype}: another "
+                         "computation than rmsnorm's")
     want = opkit.trailing_shape(tuple(x.shape), attrs)
     if w is None:
         return (x, torch.ones(want, dtype=x.dtype, device=x.device))

@@ -49,7 +49,8 @@ def chunk_budget(monkeypatch):
 ROWS = [((3, 37), {}), ((2, 3, 33), {}), ((7, 1), {}), ((5, 300), {})]
 CASES = {
     "softmax": ROWS, "log_softmax": ROWS, "layer_norm": ROWS + [((2, 3, 5, 7), {"dims": 2})],
-    "rmsnorm": ROWS + [((2, 3, 5, 7), {"dims": 3}), ((2, 5, 3, 7), {"dim": -3}), ((3, 37), {"form": "fused"})],
+    "rmsnorm": ROWS + [((2, 3, 5, 7), {"dims": 3}), ((2, 5, 3, 7), {"dim": -3}), ((3, 37), {"form": "fused"}),
+                       ((3, 37), {"form": "hf"})],
     "silu_mul": ROWS + [((3, 37), {"form": "formula"})],
     "add_norm": ROWS + [((3, 37), {"norm": "layer_norm", "eps": 1e-5}), ((5, 300), {"form": "fused"})],
     "gelu": ROWS + [((4, 33), {"approximate": "tanh"}), ((4, 33), {"approximate": "tanh", "form": "formula"})],

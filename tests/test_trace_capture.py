@@ -259,13 +259,14 @@ def test_cli_traces_a_hf_model_file_function(llama_file, tmp_path):
 
 def test_cli_module_instance_in_half_precision(llama_file):
     """FILE.py:model names the nn.Module the file built; --dtype casts it. In float16 HF's RMSNorm rounds
-    twice (the normalised x to float16, then the product with the weight): forge's kernel rounds once,
-    so what matches is the normalisation alone, (x.float() * rsqrt(...)).to(float16), without the weight."""
+    twice (the normalised x to float16, then the product with the weight): the whole module is rmsnorm with
+    form="hf" (its kernels round so too), weight included, rooted at weight * (...). The residual adds stay
+    apart in half precision (add_norm does not take form="hf" yet)."""
     doc = _cli_json(f"{llama_file}:model", "--dtype", "float16")
     norms = [r for r in doc["regions"] if r["op"] == "rmsnorm"]
     assert len(norms) == 5 and {(tuple(r["shape"]), r["dtype"]) for r in norms} == {((2, 16, 64), "float16")}
-    assert not any(name.endswith("weight") for r in norms for name in r["inputs"])
-    assert all(r["node"].startswith("to") for r in norms)  # rooted at the cast down, not at weight * (...)
+    assert all(r["attrs"] == {"eps": 1e-6, "form": "hf"} and r["tunable"] for r in norms)
+    assert all(sum(name.endswith("weight") for name in r["inputs"]) == 1 for r in norms)
 
 
 # -- graph breaks and control flow --------------------------------------------------------------------
@@ -582,26 +583,51 @@ def test_hf_llama_rmsnorm_in_float32_is_rmsnorm_with_its_weight(tmp_path):
         torch.testing.assert_close(_rms_kernel(x, m.weight, 1e-6, tmp_path), m(x), rtol=1e-5, atol=1e-6)
 
 
+def _rms_kernel_hf(x, w, eps, tmp_path):
+    """forge's rmsnorm kernel for form="hf" (the default candidate): rounds before the weight, as HF does."""
+    op = ops.get("rmsnorm")
+    spec = op.module.make_spec(tuple(x.shape), str(x.dtype).removeprefix("torch."), DEVICE, {"eps": eps, "form": "hf"})
+    module = load_module(write_source(codegen.render(op, spec, op.module.default(spec)), tmp_path))
+    out = op.module.alloc_output((x, w), spec)
+    op.module.run(module, (x.contiguous(), w.contiguous()), out, spec.attrs)
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_hf_llama_rmsnorm_in_half_rounds_twice_so_only_its_normalisation_matches(dtype, tmp_path):
+def test_hf_llama_rmsnorm_in_half_rounds_twice_and_is_rmsnorm_form_hf(dtype, tmp_path):
+    """weight * (x.float() * rsqrt(...)).to(dtype) rounds twice: the whole module is rmsnorm with
+    form="hf", whose kernels round the normalised value before the weight multiplies it, so the region
+    swapped in gives the module's own values (bit for bit where the store rounds as torch does)."""
     m, x = _norm(None, dtype)
     result = _trace(m, x, device=DEVICE)
     (r,) = result.regions
-    # Not the module (weight * (...).to(dtype)): the region is (x.float() * rsqrt(...)).to(dtype), no weight.
-    assert (r.op, r.shape, r.dtype, r.indices[1]) == ("rmsnorm", (2, 16, 64), str(dtype)[6:], None)
-    assert r.root is not _output_node(result) and r.inputs == ["l_hidden_states_"]
-    assert [u.call for u in result.unmatched] == ["function mul"]  # weight * normalised, left eager
+    assert (r.op, r.shape, r.dtype, r.root) == ("rmsnorm", (2, 16, 64), str(dtype)[6:], _output_node(result))
+    assert r.attrs == {"eps": 1e-6, "form": "hf"} and r.unsupported is None and result.unmatched == []
+    assert sorted(r.inputs) == ["l_hidden_states_", "weight"] and None not in r.indices
+    _assert_region_computes_its_node(result, r, rtol=0, atol=0)  # the reference is HF's spelling exactly
     w = m.weight.detach()
-    k1 = _rms_kernel(x, torch.ones_like(w), 1e-6, tmp_path)
+    got = _rms_kernel_hf(x, w, 1e-6, tmp_path)
     xf = x.float()
-    normalised = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)  # HF's float32 value
-    assert torch.equal(k1, _rounded(normalised, dtype))  # the region's value, as the kernel rounds it
-    with torch.no_grad():
-        hf = m(x)
+    normalised = _rounded(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6), dtype)
+    assert torch.equal(got, _rounded(w.float() * normalised.float(), dtype))  # two roundings, as the kernel does
     if dtype == torch.float16 or DEVICE == "cuda":
-        assert torch.equal(w * k1, hf)  # swapping the region in reproduces the module exactly
-        # ... while the kernel with the weight (one rounding) would not: why the module is not rmsnorm
-        assert not torch.equal(_rms_kernel(x, w, 1e-6, tmp_path), hf)
+        with torch.no_grad():
+            assert torch.equal(got, m(x))  # the module's own values
+            # ... while the one-rounding kernel would not give them: why the form is recorded
+            assert not torch.equal(_rms_kernel(x, w, 1e-6, tmp_path), m(x))
+
+
+def test_a_cast_to_another_dtype_than_xs_is_not_form_hf():
+    """The normalised value cast to bfloat16 while x is float16: not what rmsnorm's kernels compute."""
+    x = torch.randn(4, 64, dtype=torch.float16)
+    w = torch.randn(64, dtype=torch.bfloat16)
+
+    def mixed(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+
+    result = _trace(mixed, x, w)
+    assert all(r.op != "rmsnorm" or r.unsupported for r in result.regions), [r.label for r in result.regions]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -629,3 +655,32 @@ def test_spelling_the_kernel_cannot_compute_is_not_rmsnorm(dtype):
     # in float32 every cast is a no-op, and it is rmsnorm
     m32, x32 = _norm(RsqrtRounded, torch.float32)
     assert [r.op for r in _trace(m32, x32, device=DEVICE).regions] == ["rmsnorm"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(("shape", "attrs"), [((3, 37), {}), ((1, 300), {}), ((2, 5, 33), {"dims": 2}),
+                                               ((2, 6, 3, 5), {"dim": -3})])
+def test_every_rmsnorm_variant_of_form_hf_validates(shape, attrs, dtype, tmp_path):
+    """form="hf" in every variant (row, looped, multirow; strided over a non-last dim) against the float64
+    oracle of HF's spelling, and a candidate that ignores the rounding (the one-rounding render) too: the
+    oracle does not tell them apart (one extra rounding is within the tolerance), the reference does."""
+    from forge.tuner.validate import check_candidate
+
+    op = ops.get("rmsnorm")
+    spec = op.module.make_spec(shape, dtype, DEVICE, {"eps": 1e-6, "form": "hf", **attrs})
+    assert spec.attrs["form"] == "hf"
+    space, seen = op.module.space(spec), set()
+    for variant in space.variants:
+        points = space.points(variant)
+        if not points:
+            continue
+        cand = points[0]
+        seen.add(variant)
+        source = codegen.render(op, spec, cand)
+        assert ".to(tl.float32) * w" in source  # the rounding before the weight is rendered
+        module = load_module(write_source(source, tmp_path))
+        assert check_candidate(op.module, module, spec, 0, lambda: None) is None, cand
+    # the shapes' spaces hold row and multirow (3x37), row and looped (1x300, 2x5x33 over 165 values), strided
+    assert seen >= ({"strided"} if "dim" in attrs else {"row"}) and len(seen) >= (1 if "dim" in attrs else 2)
+    plain = op.module.make_spec(shape, dtype, DEVICE, {"eps": 1e-6, **attrs})
+    assert ".to(tl.float32) * w" not in codegen.render(op, plain, op.module.default(plain))
