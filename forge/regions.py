@@ -160,6 +160,7 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
     # before every other cut but the whole tree (cut_gemm would cut the add and give the plain norm).
     keepers = [f for f in specific if getattr(f.module, "KEEP_MULTI_USE", ())]
     keep_heads = frozenset(h for f in keepers for h in f.module.KEEP_MULTI_USE)
+    multi_images = cut_multi - multi
     for n in reversed(calls):
         if n in covered:
             continue
@@ -168,7 +169,9 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
         inner = []  # for each multi-use node of a kept head at the edge of n's cut_multi tree: cut below it
         if keepers:
             for leaf in graph.expr(n, cut=cut_multi, number_args=False).leaves:
-                if isinstance(leaf, str) or leaf not in multi or leaf in covered:
+                # a leaf of cut_multi is a multi-use node, or what one casts up from exactly (HF's half
+                # precision h.to(float32), the multi-use node, over a single-use add: the model's last norm)
+                if isinstance(leaf, str) or leaf in covered or (leaf not in multi and leaf not in multi_images):
                     continue
                 # Through what passes the value on unchanged or widens it exactly (HF's LlamaRMSNorm reads
                 # h.to(float32): in float32 a no-op, in half precision an exact upcast): the multi-use node

@@ -43,13 +43,17 @@ def _norm(attrs: dict) -> str:
 
 def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:
     a = {**DEFAULT_ATTRS, **(attrs or {})}
+    a.pop("hf_dtype", None)  # the matcher's note (fill_missing checks it), not part of the spec
     unknown = set(a) - set(DEFAULT_ATTRS) - set(OPTIONAL_ATTRS)
     if unknown:
         raise ValueError(f"add_norm takes attributes {sorted(DEFAULT_ATTRS)} (and form), not {sorted(unknown)}")
     if a["norm"] not in NORMS:
         raise ValueError(f"norm={a['norm']!r}: add_norm fuses {' or '.join(NORMS)}")
-    if "form" in a and (a["form"] != "fused" or a["norm"] != "rmsnorm"):
-        raise ValueError(f"form={a['form']!r}: add_norm knows form='fused' (F.rms_norm) for norm='rmsnorm' only")
+    if "form" in a and (a["form"] not in ("fused", "hf") or a["norm"] != "rmsnorm"):
+        raise ValueError(f"form={a['form']!r}: add_norm knows form='fused' (F.rms_norm) and 'hf' (Hugging Face's "
+                         "half-precision LlamaRMSNorm, two roundings) for norm='rmsnorm' only")
+    if a.get("form") == "hf" and dtype not in ("float16", "bfloat16"):
+        a.pop("form")  # in float32 HF's casts are no-ops: the plain formula, one spec and key
     eps = a["eps"]
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps):
         raise ValueError(f"eps must be a finite number, not {eps!r}")
@@ -107,6 +111,9 @@ def reference(inputs, attrs):
         torch.ops.aten.native_layer_norm.out(h, [x.shape[-1]], w, inputs[3], eps, out0=out[0],
                                              out1=torch.empty(0, dtype=stats, device=x.device),
                                              out2=torch.empty(0, dtype=stats, device=x.device))
+    elif attrs.get("form") == "hf":  # HF's LlamaRMSNorm in half precision: rounded, then times w (in dtype)
+        hf = h.float()
+        torch.mul(w, (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), out=out[0])
     elif attrs.get("form") == "fused":  # the user calls F.rms_norm: its one kernel, then the copy it needs
         out[0].copy_(torch.nn.functional.rms_norm(h, (x.shape[-1],), w, eps))
     else:
@@ -177,6 +184,9 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     # The interpreter truncates fp32 -> bf16 casts (the GPU rounds to nearest even): the CPU sources round
     # h first so that it is eager's x + r there too; CUDA sources are without it (their cast already rounds).
     ctx["ROUND_BF16"] = spec.inputs[0].dtype == "bfloat16" and spec.device != "cuda"
+    # form="hf": the normalised value rounded to the output dtype before the weight multiplies it (HF's
+    # half-precision LlamaRMSNorm); every other spec renders as before (tests/test_golden.py)
+    ctx["round_before_weight"] = spec.attrs.get("form") == "hf"
     return ctx
 
 
@@ -239,12 +249,14 @@ def match(expr) -> tuple[list, dict] | None:
         # The norm's x must be h, its other inputs not h, and it must normalize the last dim only.
         if picks[0] != fresh[1] or fresh[1] in picks[1:]:
             return None
-        extra = set(attrs) - {"eps", "form"}
+        extra = set(attrs) - {"eps", "form", "hf_dtype"}
         if extra:
             return None
         out = {"norm": norm, "eps": float(attrs["eps"])}
-        if attrs.get("form") == "fused":
-            out["form"] = "fused"
+        if attrs.get("form") in ("fused", "hf"):
+            out["form"] = attrs["form"]
+        if "hf_dtype" in attrs:
+            out["hf_dtype"] = attrs["hf_dtype"]
         return [add[1][1], add[2][1], *picks[1:]], out
     return None
 
@@ -255,6 +267,10 @@ def fill_missing(inputs: list, attrs: dict | None = None):
 
     attrs = attrs or {}
     x, r, *params = inputs
+    hf_dtype = attrs.get("hf_dtype")
+    if hf_dtype is not None and str(x.dtype).removeprefix("torch.") != hf_dtype:
+        raise ValueError(f"the normalised value is cast to {hf_dtype}, not to x's dtype {x.dtype}: another "
+                         "computation than add_norm's")
     n = x.shape[-1:] if x.dim() else (1,)
     if _norm(attrs) == "layer_norm":
         w, b = (params + [None, None])[:2]

@@ -180,3 +180,70 @@ def test_backend_swaps_add_norm_kernels_and_falls_back_on_another_shape(tmp_path
     s = call.stacked(x2, a2, model.w.detach())  # the inductor form: stacked on the fallback path too
     assert s.shape == (2, 3, 32) and torch.equal(s[0], y) and torch.equal(s[1], h)
     torch._dynamo.reset()
+
+
+@cpu_only
+@pytest.mark.parametrize("shape", [(1, 33), (7, 33), (2, 700)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_form_hf_rounds_before_the_weight_in_every_variant(shape, dtype, tmp_path):
+    """Hugging Face's half-precision LlamaRMSNorm after the residual add: y = w * (h.float() * rstd).to(dtype)
+    (two roundings). The reference is HF's spelling exactly; every variant matches the oracle, h exactly."""
+    spec = MOD.make_spec(shape, dtype, "cpu", {"norm": "rmsnorm", "eps": 1e-6, "form": "hf", "hf_dtype": dtype})
+    assert spec.attrs == {"norm": "rmsnorm", "eps": 1e-6, "form": "hf"}  # the note is not part of the spec
+    inputs = MOD.make_inputs(spec, 3)
+    x, r, w = inputs
+    h = x + r
+    hf = h.float()
+    want_y = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+    ref = MOD.reference(inputs, spec.attrs)
+    assert torch.equal(ref[0], want_y) and torch.equal(ref[1], h)
+    oracle = MOD.oracle(inputs, spec.attrs)
+    for cand in CANDS:
+        if not MOD.space(spec).valid(cand):
+            continue
+        source = codegen.render(OP, spec, cand)
+        assert ".to(tl.float32) * w" in source
+        got = _run(spec, cand, inputs, tmp_path)
+        assert torch.equal(got[1], h) and compare(got, oracle, MOD.tolerance(dtype)) is None, cand
+        if dtype == "float16":  # the interpreter rounds fp16 as torch does (bf16: it truncates)
+            assert torch.equal(got[0], want_y), cand
+    assert MOD.make_spec(shape, "float32", "cpu", {"norm": "rmsnorm", "form": "hf"}).attrs == {
+        "norm": "rmsnorm", "eps": 1e-6}  # in float32 HF's casts are no-ops: the plain formula
+    with pytest.raises(ValueError, match="form='hf'"):
+        MOD.make_spec(shape, dtype, "cpu", {"norm": "layer_norm", "form": "hf"})
+    with pytest.raises(ValueError, match="cast to bfloat16, not to x's dtype"):
+        MOD.fill_missing([x.half(), r.half(), w.half()], {"norm": "rmsnorm", "form": "hf", "hf_dtype": "bfloat16"})
+
+
+@cpu_only
+@pytest.mark.slow
+def test_a_half_precision_hf_llama_runs_add_norm_kernels_through_the_backend(tmp_path, monkeypatch):
+    """bf16 tiny HF Llama: the residual stream is add_norm of form "hf" (4 regions) and the first norm rmsnorm
+    "hf"; searched (acceptance forced) and swapped in, the logits stay within bf16 tolerance of eager, and
+    every norm kernel ran unguarded."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_trace_capture import LLAMA_CFG, _ids
+
+    monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_CFG, attn_implementation="sdpa"))
+    model = model.eval().to(torch.bfloat16)
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    be = fb.Backend(miss="search", budget=1, cache=tmp_path / "cache", interpreter=True)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=be)
+        with torch.no_grad():
+            compiled(ids)
+            got = compiled(ids).logits.float()
+    finally:
+        torch._dynamo.reset()
+    norms = [r for r in be.explain().regions if r.op in ("add_norm", "rmsnorm")]
+    assert sorted((r.op, r.uses, r.attrs.get("form")) for r in norms) == sorted(
+        [("add_norm", "kernel", "hf")] * 4 + [("rmsnorm", "kernel", "hf")]), norms
+    calls = [c for c in be.kernel_calls if c.__name__ in ("forge_add_norm", "forge_rmsnorm")]
+    assert len(calls) == 5 and all(c.calls >= 1 and c.fallbacks == 0 for c in calls)
+    err = float((got - ref).norm() / ref.norm())
+    assert err < 2e-2, err  # bf16: the other regions' kernels (linear, rope...) also differ in rounding
