@@ -108,7 +108,7 @@ def op_entries(cache: Cache, op_name: str, *, dtype: str | None = None, device: 
             chosen[slot] = entry
     if not chosen:
         what = f"{op_name}" + (f" {dtype}" if dtype else "") + (f" on {device}" if device else "")
-        detail = [f"{eager} eager decision(s)"] if eager else []
+        detail = [f"{eager} decision(s) without a forge kernel (eager, or torch's own op)"] if eager else []
         detail += [reason for _, reason in skipped[:3]]
         raise NotExportable(f"no exportable kernel entry of {what} in {cache.path}"
                             + (f" ({'; '.join(detail)})" if detail else "")
