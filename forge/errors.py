@@ -16,7 +16,8 @@ class ExitCode(IntEnum):
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 decided (kernel or eager, or a cache hit); 2 usage error; "
-    "3 environment error (no triton, no GPU for --device cuda, workers cannot start); "
+    "3 environment error (no triton, no GPU for --device cuda, workers cannot start, forge's own work out of "
+    "memory); "
     "4 every candidate failed; 5 cache database damaged or unusable, bundle entries rejected, or a cached "
     "kernel that no longer validates (bench --recheck); 1 internal error."
 )
