@@ -701,6 +701,19 @@ def gemm_default(dims: tuple[int, int, int, int], device: str, dtype: str, sp: S
 GEMM_K_ASSUMED = 65536
 
 
+def gemm_dot_context(dtype: str, device: str) -> dict[str, str]:
+    """The tl.dot spelling of a GEMM render (matmul, linear, swiglu): DOT_ARGS and DOT_CAST."""
+    return {
+        # fp32 inputs: full fp32 products (TF32 would be ~1e-3 off, and eager fp32 matmul does not use TF32
+        # unless the user turns it on).
+        "DOT_ARGS": ', input_precision="ieee"' if dtype == "float32" else "",
+        # The interpreter (triton 3.6 to 3.9) keeps bf16 as raw uint16 bits and its tl.dot multiplies those
+        # bits as integers; widening to fp32 first is exact (bf16 products fit fp32's mantissa). CUDA
+        # sources keep the native bf16 dot.
+        "DOT_CAST": ".to(tl.float32)" if device != "cuda" and dtype == "bfloat16" else "",
+    }
+
+
 def gemm_tolerance(dtype: str, k: int) -> Tolerance:
     """Tolerance for an output of scale ~1 after a K-long fp32 accumulation.
 

@@ -323,10 +323,7 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
                EPILOGUE=epilogue(spec.attrs), ATTRS=", ".join(f"{a}={spec.attrs[a]}" for a in sorted(spec.attrs)))
     # Every K slice whole: no masks in the K loop.
     ctx["EVEN_K"] = k % (ctx["BLOCK_K"] * ctx["SPLIT_K"]) == 0
-    # fp32: full-precision products, as eager fp32 linear (no TF32 unless the user turns it on).
-    ctx["DOT_ARGS"] = ', input_precision="ieee"' if spec.dtype == "float32" else ""
-    # The interpreter keeps bf16 as raw bits that its tl.dot multiplies as integers (matmul says more).
-    ctx["DOT_CAST"] = ".to(tl.float32)" if spec.device != "cuda" and spec.dtype == "bfloat16" else ""
+    ctx.update(opkit.gemm_dot_context(spec.dtype, spec.device))
     ctx["kernel_name"] = f"forge_{NAME}_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx

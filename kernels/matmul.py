@@ -178,13 +178,7 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     # Triton <= 3.6's interpreter cannot take a runtime loop bound (see opkit.row_render_context):
     # there K (and the split length) are passed as constexprs; CUDA sources keep them runtime.
     ctx["K_CONSTEXPR"] = spec.device != "cuda"
-    # fp32 inputs: full fp32 products (TF32 would be ~1e-3 off, and eager fp32 matmul does not use
-    # TF32 unless the user turns it on).
-    ctx["DOT_ARGS"] = ', input_precision="ieee"' if spec.dtype == "float32" else ""
-    # The interpreter (triton 3.6 to 3.9) keeps bf16 as raw uint16 bits and its tl.dot multiplies
-    # those bits as integers; widening to fp32 first is exact (bf16 products fit fp32's mantissa).
-    # CUDA sources keep the native bf16 dot.
-    ctx["DOT_CAST"] = ".to(tl.float32)" if spec.device != "cuda" and spec.dtype == "bfloat16" else ""
+    ctx.update(opkit.gemm_dot_context(spec.dtype, spec.device))
     # Strided operands (only specs that have them render this addressing; contiguous renders are as before):
     # A's (batch, m, k) and B's (batch, k, n) strides as literals, a batch stride of 0 for 2-D operands.
     a, b = spec.inputs

@@ -143,8 +143,7 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
                SGN=wg.strides[0], SGK=wg.strides[1], SUN=wu.strides[0], SUK=wu.strides[1],
                X_SHAPE=tuple(x.shape), X_STRIDES=tuple(x.strides), G_STRIDES=tuple(wg.strides),
                U_STRIDES=tuple(wu.strides), EVEN_K=k % ctx["BLOCK_K"] == 0)
-    ctx["DOT_ARGS"] = ', input_precision="ieee"' if spec.dtype == "float32" else ""
-    ctx["DOT_CAST"] = ".to(tl.float32)" if spec.device != "cuda" and spec.dtype == "bfloat16" else ""
+    ctx.update(opkit.gemm_dot_context(spec.dtype, spec.device))
     ctx["kernel_name"] = f"forge_{NAME}_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx
