@@ -318,6 +318,23 @@ def row_space(spec) -> Space:
     )
 
 
+def capped_row_space(spec, max_elems_per_thread: int) -> Space:
+    """row_space with the whole-row variants (row, multirow) capped at `max_elems_per_thread` elements per
+    thread, for row ops that hold several arrays of the row in registers (layer_norm: x, w, b; add_norm);
+    looped holds one block of each and keeps row_space's own bound."""
+    base = row_space(spec)
+    block = next_pow2(rows_cols(spec)[1])
+
+    def valid(c: Candidate) -> bool:
+        if not base.valid(c):
+            return False
+        if c.variant == "looped":
+            return True
+        return c.p.get("ROWS", 1) * block / (32 * c.p["num_warps"]) <= max_elems_per_thread
+
+    return Space(base.variants, valid)
+
+
 def row_default(spec) -> Candidate:
     """An untuned but sensible choice: whole row with ~8 fp32 values per thread, else looped."""
     _, n = rows_cols(spec)

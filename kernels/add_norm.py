@@ -162,17 +162,7 @@ def run(module, inputs, out, attrs) -> None:
 
 
 def space(spec: KernelSpec) -> opkit.Space:
-    base = opkit.row_space(spec)
-    block = opkit.next_pow2(opkit.rows_cols(spec)[1])
-
-    def valid(c: opkit.Candidate) -> bool:
-        if not base.valid(c):
-            return False
-        if c.variant == "looped":
-            return True
-        return c.p.get("ROWS", 1) * block / (32 * c.p["num_warps"]) <= MAX_ELEMS_PER_THREAD
-
-    return opkit.Space(base.variants, valid)
+    return opkit.capped_row_space(spec, MAX_ELEMS_PER_THREAD)
 
 
 default = opkit.row_default  # <= 16 elements per thread: inside space()

@@ -94,7 +94,6 @@ def test_the_shim_serves_torchs_op_in_place_of_the_formula(tmp_path):
     e = forge.explain(f, x)
     assert e.uses == "torch" and "F.gelu" in e.reason and "faster than the code as written" in e.reason, e
     assert torch.equal(y, F.gelu(x, approximate="tanh"))  # torch's op ran, not the formula
-    assert not torch.equal(y, tanh_formula(x)) or torch.allclose(y, tanh_formula(x))
     load = forge.load("gelu", SHAPE, "float32", device="cpu", cache=db, approximate="tanh", form="formula")
     assert torch.equal(load(x), F.gelu(x, approximate="tanh"))
     with pytest.raises(ValueError, match="takes"):
