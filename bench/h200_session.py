@@ -135,7 +135,7 @@ def big(out: Path, work: Path, args) -> list[str]:
     if args.big_cache:
         import shutil
 
-        shutil.copy(args.big_cache, db)
+        shutil.copyfile(args.big_cache, db)  # not copy(): a read-only source would make a read-only cache
     cmd = [*FORGE, "search", "--manifest", "bench/big.toml", "--json", "--cache", str(db)]
     if args.big_time_budget:
         cmd += ["--time-budget", str(args.big_time_budget)]
