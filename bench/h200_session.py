@@ -10,6 +10,9 @@ next one still runs):
   suite     `forge search --manifest bench/suite.toml --devices 0 --json` -> DIR/suite.json (+ suite.db)
   big       `forge search --manifest bench/big.toml --json` -> DIR/big.json (+ big.db; issue 15's large
             shapes; --big-time-budget ends it cleanly, --big-cache DB continues it in a later call)
+  layouts   issue 14's rows: `forge search --manifest bench/layouts.toml --json` -> DIR/layouts.json, then
+            `forge bench --manifest bench/layouts.toml --max-autotune --json` on that cache -> DIR/layouts-bench.json
+--tests-marker "" runs what --tests names without `-m gpu` (the op tests then run their kernels on CUDA).
 Forge caches live in a temporary directory, never under DIR (the device tool brings back few files).
 The last thing printed is one table of every part.
 """
@@ -42,7 +45,8 @@ def run(cmd: list[str], limit: float, log) -> tuple[int | str, float]:
 
 def tests(out: Path, work: Path, args) -> list[str]:
     xml = out / "gpu-tests.xml"
-    rc, wall = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+    marker = ["-m", args.tests_marker] if args.tests_marker else []
+    rc, wall = run([sys.executable, "-m", "pytest", "-q", *marker, "-p", "no:cacheprovider",
                     f"--junitxml={xml}", *args.tests.split()], args.tests_limit, sys.stdout)
     lines = [f"tests: rc {rc}, {wall:.0f} s"]
     if xml.exists():
@@ -142,24 +146,63 @@ def big(out: Path, work: Path, args) -> list[str]:
     return _manifest_part("big", out, cmd, args.big_limit, db)
 
 
+def layouts(out: Path, work: Path, args) -> list[str]:
+    """Issue 14: bench/layouts.toml searched (its own budget, 50), then every row benched interleaved against
+    eager, the fused torch op, torch.compile (default and max-autotune-no-cudagraphs) and Liger."""
+    db = work / "layouts.db"
+    cmd = [*FORGE, "search", "--manifest", "bench/layouts.toml", "--json", "--cache", str(db)]
+    if args.layouts_time_budget:
+        cmd += ["--time-budget", str(args.layouts_time_budget)]
+    lines = _manifest_part("layouts", out, cmd, args.layouts_limit, db)
+    dst = out / "layouts-bench.json"
+    cmd = [*FORGE, "bench", "--manifest", "bench/layouts.toml", "--max-autotune", "--json", "--cache", str(db)]
+    with open(dst, "w") as fh:
+        t0 = time.monotonic()
+        print("$", " ".join(cmd), flush=True)
+        try:
+            rc: int | str = subprocess.run(cmd, stdout=fh, timeout=args.layouts_bench_limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {args.layouts_bench_limit:.0f} s"
+    lines.append(f"layouts bench: rc {rc}, {time.monotonic() - t0:.0f} s")
+    try:
+        doc = json.loads(dst.read_text())
+    except json.JSONDecodeError:
+        return [*lines, "  (no JSON from forge bench)"]
+    doc.update(command="forge " + " ".join(cmd[3:]).replace(str(work), "DIR"), exit_code=rc,
+               date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), python=sys.version.split()[0])
+    dst.write_text(json.dumps(doc, indent=2))
+    for t in doc.get("targets", []):
+        cells = []
+        for c in t["contestants"]:
+            q = c.get("quantiles") or {}
+            cells.append(f"{c['name']} {q.get('p50', 0):.1f}" if c["status"] == "ok" else f"{c['name']} {c['status']}")
+        lines.append(f"  {t['op']:10} {t['shape']:16} {json.dumps(t['attrs'], sort_keys=True)[:60]:60} "
+                     f"fastest {t.get('fastest')}: " + ", ".join(cells))
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", default="tests,latency,suite")
     ap.add_argument("--tests", default="tests/", help="what the tests part hands pytest (with -m gpu)")
     ap.add_argument("--budget", type=int, default=6)
+    ap.add_argument("--tests-marker", default="gpu", help="pytest -m for the tests part ('' for none)")
     ap.add_argument("--tests-limit", type=float, default=420)
     ap.add_argument("--latency-limit", type=float, default=240)
     ap.add_argument("--suite-limit", type=float, default=420)
     ap.add_argument("--big-limit", type=float, default=560)
     ap.add_argument("--big-time-budget", type=float, default=None, help="forge search --time-budget for big")
     ap.add_argument("--big-cache", type=Path, default=None, help="a big.db from an earlier call to continue")
+    ap.add_argument("--layouts-limit", type=float, default=330)
+    ap.add_argument("--layouts-time-budget", type=float, default=None, help="forge search --time-budget for layouts")
+    ap.add_argument("--layouts-bench-limit", type=float, default=300)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONUNBUFFERED"] = "1"
     work = Path(tempfile.mkdtemp(prefix="forge-h200-"))
     os.environ.setdefault("FORGE_CACHE_DIR", str(work / "cache"))
-    parts = {"tests": tests, "latency": latency, "suite": suite, "big": big}
+    parts = {"tests": tests, "latency": latency, "suite": suite, "big": big, "layouts": layouts}
     summary: list[str] = []
     for name in args.parts.split(","):
         summary += parts[name](args.out, work, args)

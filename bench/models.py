@@ -18,7 +18,8 @@ reported); (2) every contestant is built and called once (first-call seconds: th
 warm forge cache, torch.compile's compilation, Liger's patching); (3) timing, interleaved: rounds of
 N forwards per contestant in turn (CUDA events around the N forwards: call latency per forward,
 host dispatch included), the median round per contestant; (4) device time per forward (the kernels'
-own time, torch.profiler) for eager and forge, with the share of forge's device time in forge kernels;
+own time, torch.profiler) for eager and forge, with the share of forge's device time in forge kernels and in
+regions forge decided (kernel or torch op), and the largest other kernels;
 (5) each output against eager's (relative norm error). Writes DIR/models.json; a table last.
 """
 
@@ -204,33 +205,57 @@ def timed_rounds(runs: dict, n: int, rounds: int) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in per.items()}
 
 
-def device_time(fn, iters: int = 5, names: frozenset = frozenset()) -> tuple[float, float]:
-    """(device ms per forward: the kernels' own time; of it, ms in forge kernels)."""
-    from torch.profiler import ProfilerActivity
+def device_time(fn, iters: int = 5, names: frozenset = frozenset(), calls=()) -> dict:
+    """Device ms per forward: {"total": every kernel's own time, "forge_kernels": of it, forge's Triton
+    kernels (by name), "torch_ops": of it, what the regions forge decided "torch" launched (their guarded
+    calls wrapped in a profiler range for this measurement only), "top_other": the largest kernels of the
+    rest (name, ms)}."""
+    from torch.profiler import ProfilerActivity, record_function
 
-    with torch.no_grad():
-        fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                fn()
+    wrapped = []
+    for call in calls:  # the regions decided "torch": their launches are torch ops, tied to the range
+        if getattr(call.binding, "module", None) is None:
+            inner = call.binding
+
+            def ranged(leaves, inner=inner, label=f"forge_torch_op::{call.__name__}"):
+                with record_function(label):
+                    return inner(leaves)
+
+            call.binding = ranged
+            wrapped.append((call, inner))
+    try:
+        with torch.no_grad():
+            fn()
             torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(iters):
+                    fn()
+                torch.cuda.synchronize()
+    finally:
+        for call, inner in wrapped:
+            call.binding = inner
     return kernel_times(prof, iters, names)
 
 
-def kernel_times(prof, iters: int, names: frozenset = frozenset()) -> tuple[float, float]:
-    """(ms per iteration of device activity: every kernel, copy and set, once — user-annotation ranges,
-    which the profiler also reports on the device, are not activity; of it, ms of the kernels named in
-    `names`: forge's)."""
+def kernel_times(prof, iters: int, names: frozenset = frozenset()) -> dict:
+    """device_time()'s dict from a profile: every kernel, copy and set once (user-annotation ranges, which
+    the profiler also reports on the device, are not activity)."""
     from torch.autograd import DeviceType
 
-    total = forge = 0.0
+    total = forge = in_torch = 0.0
+    other: dict[str, float] = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             total += e.device_time_total
             if e.name in names:  # forge's kernels, by their Triton function names (Backend.kernel_names)
                 forge += e.device_time_total
-    return total / iters / 1e3, forge / iters / 1e3
+            else:
+                other[e.name] = other.get(e.name, 0.0) + e.device_time_total
+        elif e.device_type == DeviceType.CPU and e.name.startswith("forge_torch_op::"):
+            in_torch += e.device_time_total  # the kernels launched inside the range (its children's too)
+    top = sorted(other.items(), key=lambda kv: -kv[1])[:8]
+    return {"total": total / iters / 1e3, "forge_kernels": forge / iters / 1e3, "torch_ops": in_torch / iters / 1e3,
+            "top_other": [(k[:90], round(v / iters / 1e3, 4)) for k, v in top]}
 
 
 def tune(name: str, cache: Path, work: Path, budget: int) -> dict:
@@ -320,11 +345,16 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
         row["contestants"][mode] = c
     if "forge" in runs and "eager" in runs:
         be = backends["forge"]
-        eager_dev, _ = device_time(runs["eager"])
-        forge_dev, in_forge = device_time(runs["forge"], names=be.kernel_names())
+        eager_dev = device_time(runs["eager"])["total"]
+        d = device_time(runs["forge"], names=be.kernel_names(), calls=be.kernel_calls)
+        forge_dev = d["total"]
         row["device"] = {"eager_ms": round(eager_dev, 4), "forge_ms": round(forge_dev, 4),
                          "speedup": round(eager_dev / forge_dev, 4) if forge_dev else None,
-                         "forge_kernel_share": round(in_forge / forge_dev, 4) if forge_dev else None}
+                         "forge_kernel_share": round(d["forge_kernels"] / forge_dev, 4) if forge_dev else None,
+                         # issue 14's target: the share in regions forge decided "kernel" or "torch"
+                         "forge_region_share": (round((d["forge_kernels"] + d["torch_ops"]) / forge_dev, 4)
+                                                if forge_dev else None),
+                         "top_other_kernels_ms": d["top_other"]}
     print(json.dumps(row), flush=True)
     return row
 
@@ -432,7 +462,10 @@ def main() -> int:
         if "device" in row:
             d = row["device"]
             print(f"{row['model']:8} device time: eager {d['eager_ms']:.3f} ms, forge {d['forge_ms']:.3f} ms "
-                  f"({d['speedup']}x), {100 * (d['forge_kernel_share'] or 0):.1f}% in forge kernels")
+                  f"({d['speedup']}x), {100 * (d['forge_kernel_share'] or 0):.1f}% in forge kernels, "
+                  f"{100 * (d.get('forge_region_share') or 0):.1f}% in forge-decided regions (kernel or torch op)")
+            top = d.get("top_other_kernels_ms", [])
+            print("         largest other kernels (ms): " + "; ".join(f"{k} {v}" for k, v in top))
     return 0
 
 
