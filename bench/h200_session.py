@@ -154,6 +154,8 @@ def layouts(out: Path, work: Path, args) -> list[str]:
     if args.layouts_time_budget:
         cmd += ["--time-budget", str(args.layouts_time_budget)]
     lines = _manifest_part("layouts", out, cmd, args.layouts_limit, db)
+    if not args.layouts_bench_limit:  # search only: DIR/layouts.db continues it (forge bench --cache) later
+        return lines
     dst = out / "layouts-bench.json"
     cmd = [*FORGE, "bench", "--manifest", "bench/layouts.toml", "--max-autotune", "--json", "--cache", str(db)]
     with open(dst, "w") as fh:
@@ -196,7 +198,7 @@ def main() -> int:
     ap.add_argument("--big-cache", type=Path, default=None, help="a big.db from an earlier call to continue")
     ap.add_argument("--layouts-limit", type=float, default=330)
     ap.add_argument("--layouts-time-budget", type=float, default=None, help="forge search --time-budget for layouts")
-    ap.add_argument("--layouts-bench-limit", type=float, default=300)
+    ap.add_argument("--layouts-bench-limit", type=float, default=300, help="0: search only, no bench")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONUNBUFFERED"] = "1"

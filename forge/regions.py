@@ -220,6 +220,12 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
             region.extra_outputs = [m for m in region.nodes if m is not n and any(u not in inside for u in m.users)]
         covered.update(region.nodes)
         picked = [traced.tensors[i] if i is not None else None for i in indices]
+        fold = getattr(fam.module, "fold_constants", None)
+        if fold is not None:  # inputs with one value on every call may become attributes (sdpa's causal mask)
+            constants = {i: t for i, (leaf, t) in enumerate(zip(traced.leaves, traced.tensors, strict=True))
+                         if not isinstance(leaf, str) and graph.constant(leaf)}
+            if constants:
+                attrs = fold(picked, dict(attrs), constants)
         try:
             shape, dtype, region.attrs = _fit(fam, picked, attrs, device)
             region.shape, region.dtype = shape, dtype

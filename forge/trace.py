@@ -103,6 +103,14 @@ BOUNDARY_HEADS = frozenset({"linear", "addmm", "matmul", "sdpa", "opaque", "view
 # Heads only the generic pointwise family (kernels/pointwise.py) looks into. They were opaque before it
 # existed, so forge/regions.py still cuts every other family's regions there (what those families match
 # is unchanged); the pointwise family's regions run through them.
+# Ops whose value depends on their arguments alone (no randomness, no state, no graph input): a node built
+# only from these over literals has the same value on every call of its graph (TraceGraph.constant).
+# transformers 5.17 builds its causal mask so under torch.compile: le/ge of aranges, viewed and expanded.
+CONSTANT_OPS = frozenset({
+    "arange", "add", "sub", "mul", "neg", "le", "lt", "ge", "gt", "eq", "ne", "and_", "or_", "__and__", "__or__",
+    "invert", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "getitem", "view",
+    "reshape", "unsqueeze", "expand", "expand_as", "to", "contiguous", "ones", "zeros", "full", "tril", "triu",
+    "where", "transpose", "permute", "clone", "bool", "long", "int", "float"})
 ELEMENTWISE_HEADS = frozenset({"leaky_relu", "hardswish", "clamp", "pow", "gt", "ge", "eq", "ne", "where"})
 # Expressions larger (expanded) or deeper than this become opaque: a deep model's residual stream
 # expands exponentially, and op patterns are small and shallow.
@@ -414,6 +422,25 @@ class TraceGraph:
         if isinstance(v, torch.Tensor) and isinstance(s, torch.Tensor) and _widens_exactly(s.dtype, v.dtype):
             return src
         return None
+
+    def constant(self, n) -> bool:
+        """True where node n has the same value on every call of the graph: it and every node it is computed
+        from are CONSTANT_OPS calls, down to literals (no placeholder, no parameter or buffer: only the
+        tensors torch.fx's tracer baked in)."""
+        seen, todo = set(), [n]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if not isinstance(m, self.fx.Node):
+                return False
+            if m.op == "get_attr" and str(m.target).startswith("_tensor_constant"):
+                continue  # a tensor torch.fx's tracer computed while tracing (no proxy in it): a literal
+            if m.op not in ("call_function", "call_method") or _name(m) not in CONSTANT_OPS:
+                return False
+            todo.extend(m.all_input_nodes)
+        return True
 
     def heads(self) -> dict:
         """Each call node's own kind: its canonical head with every other call as a leaf ("input" for a

@@ -39,9 +39,18 @@ NAME = "sdpa"
 SUMMARY = "F.scaled_dot_product_attention(q, k, v, is_causal, scale, enable_gqa) forward"
 TEMPLATES = {"flash": "sdpa_flash.j2", "flash_split": "sdpa_flash_split.j2", "split_kv": "sdpa_split_kv.j2"}
 DEFAULT_ATTRS = {"causal": False, "scale": None, "kv_heads": None}
+# form="mask": the user's code passes attn_mask, a boolean tensor that forge/regions.py proved to be a graph
+# constant equal to the causal rule (or all True) and folded into `causal` (fold_constants). The kernels and
+# the oracle are the causal ones; the reference, the search's baseline, is the user's call: F.sdpa with that
+# explicit mask (torch then cannot use its flash backend) on k/v repeated per query head, as transformers
+# 5.17's repeat_kv does before a masked call; torch's fused op F.sdpa(is_causal=...) is then a real
+# candidate (forge/fused.py). Absent: the user called F.sdpa with is_causal.
+FORMS = ("mask",)
+OPTIONAL_ATTRS = ("form",)
 # What a traced call may carry besides DEFAULT_ATTRS; accepted only at their no-op values, so the
-# matcher can pass them through and make_spec names the unsupported one in its error.
-_CALL_ATTRS = {"attn_mask": None, "dropout_p": 0.0, "enable_gqa": None}
+# matcher can pass them through and make_spec names the unsupported one in its error. mask_leaf is the
+# matcher's note (which region input the mask is) for fold_constants; it never reaches a spec.
+_CALL_ATTRS = {"attn_mask": None, "dropout_p": 0.0, "enable_gqa": None, "mask_leaf": None, "form": None}
 # q, k and v may each be strided with D contiguous (forge/ops.py: the "strides" attribute).
 STRIDED_INPUTS = (0, 1, 2)
 
@@ -90,7 +99,11 @@ def _normalise(shape: tuple[int, ...], attrs: dict | None) -> dict:
     scale = 1.0 / math.sqrt(d) if a["scale"] is None else float(a["scale"])
     if not scale > 0.0:  # the kernels take the running max of q.k before scaling
         raise ValueError(f"scale={scale:g} is not supported (only scale > 0)")
-    return {"causal": bool(a["causal"]), "scale": scale, "kv_heads": kv_heads}
+    if a["form"] is not None and a["form"] not in FORMS:
+        raise ValueError(f"form={a['form']!r}: sdpa knows form='mask' (the causal rule or no masking, passed as a "
+                         "boolean attn_mask) or no form (is_causal)")
+    out = {"causal": bool(a["causal"]), "scale": scale, "kv_heads": kv_heads}
+    return {**out, "form": a["form"]} if a["form"] else out  # absent: every other spec's key is unchanged
 
 
 def make_spec(shape: tuple[int, ...], dtype: str, device: str, attrs: dict | None = None) -> KernelSpec:
@@ -178,9 +191,54 @@ def _sdpa_torch(q, k, v, causal: bool, scale: float):
 
 
 def reference(inputs, attrs):
-    """The eager baseline: torch's fused SDPA (flash / memory-efficient / cuDNN backends on CUDA)."""
+    """The eager baseline, the user's call: torch's fused SDPA (flash / memory-efficient / cuDNN backends on
+    CUDA) with is_causal; for form="mask" with the explicit boolean mask (causal rule or all True) on k/v
+    repeated per query head (what transformers 5.17 runs under torch.compile)."""
+    import torch
+    import torch.nn.functional as F
+
     q, k, v = inputs
-    return _sdpa_torch(q, k, v, attrs["causal"], attrs["scale"])
+    if attrs.get("form") != "mask":
+        return _sdpa_torch(q, k, v, attrs["causal"], attrs["scale"])
+    sq, skv = q.shape[2], k.shape[2]
+    mask = torch.ones(sq, skv, dtype=torch.bool, device=q.device)
+    if attrs["causal"]:
+        mask = mask.tril(diagonal=0)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(q.shape[0], 1, sq, skv),
+                                          scale=attrs["scale"])
+
+
+def fold_constants(picked, attrs: dict, constants: dict) -> dict:
+    """forge/regions.py's hook: `constants` maps region inputs that are graph constants (forge/trace.py
+    TraceGraph.constant: the same value on every call) to their value. A boolean attn_mask among them that
+    equals the top-left causal rule tril(ones(Sq, Skv)) (transformers 5.17 builds it from aranges under
+    torch.compile) becomes causal=True, one that is all True no mask; form="mask" keeps the user's masked
+    call as the baseline. Anything else (a padding mask, a float mask, both a mask and is_causal) stays an
+    attn_mask, which make_spec refuses."""
+    import torch
+
+    mask = constants.get(attrs.get("mask_leaf"))
+    q, k = picked[0], picked[1]
+    if (mask is None or attrs.get("causal") or mask.dtype != torch.bool or mask.dim() > 4
+            or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k))):
+        return attrs
+    sq, skv = q.shape[2], k.shape[2]
+    try:
+        full = mask.expand(q.shape[0], q.shape[1], sq, skv)
+    except RuntimeError:  # not broadcastable to the scores: torch would refuse it too
+        return attrs
+    rule = torch.ones(sq, skv, dtype=torch.bool, device=mask.device).tril(diagonal=0)
+    if torch.equal(full, rule.expand_as(full)):
+        causal = True
+    elif bool(full.all()):
+        causal = False
+    else:
+        return attrs
+    rest = {n: x for n, x in attrs.items() if n not in ("attn_mask", "mask_leaf")}
+    return {**rest, "causal": causal, "form": "mask"}
 
 
 def oracle(inputs, attrs):
@@ -439,10 +497,14 @@ def match(expr) -> tuple[list, dict] | None:
         return None
     if any(t[0] != "const" for t in (dropout, causal, scale, gqa)):
         return None
+    if mask[0] not in ("const", "input"):  # the mask's own computation: matched where it is a region input
+        return None
     attrs: dict = {"causal": bool(causal[1]), "scale": None if scale[1] is None else float(scale[1]),
                    "enable_gqa": bool(gqa[1])}
     if mask != ("const", None):
-        attrs["attn_mask"] = "tensor" if mask[0] == "input" else mask[0]
+        attrs["attn_mask"] = "tensor" if mask[0] == "input" else "constant"
+        if mask[0] == "input":  # fold_constants may prove it the causal rule (a region input: which one)
+            attrs["mask_leaf"] = mask[1]
     if dropout[1]:
         attrs["dropout_p"] = float(dropout[1])
     return [q[1], k[1], v[1]], attrs
