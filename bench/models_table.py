@@ -33,8 +33,8 @@ def table(path: Path) -> str:
     lines = [f"`{path.name}` — {d['gpu']}, driver {d['driver']}, torch {d['torch']}, triton {d['triton']}, "
              f"transformers {d['transformers']}, {d['date']}; `{d['command']}`; {d['timing']}.", "",
              "| model | eager ms | forge ms (x eager) | torch.compile ms (x) | max-autotune ms (x) | Liger ms (x) "
-             "| forge device time vs eager | device time in forge kernels | forge kernels / regions "
-             "| first call s: forge / compile / max-autotune |",
+             "| forge device time vs eager | device time in forge kernels (in regions forge decided: kernel or torch op) "
+             "| forge kernels / regions | first call s: forge / compile / max-autotune |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         cs = r.get("contestants", {})
@@ -45,6 +45,8 @@ def table(path: Path) -> str:
         dev = r.get("device")
         dv = f"{dev['eager_ms']:.2f} → {dev['forge_ms']:.2f} ms ({dev['speedup']:.2f}x)" if dev else "—"
         share = f"{dev['forge_kernel_share']:.1%}" if dev and dev.get("forge_kernel_share") is not None else "—"
+        if dev and dev.get("forge_region_share") is not None:  # kernel + torch-op regions (issue 14's target)
+            share += f" ({dev['forge_region_share']:.1%})"
         kr = f"{f.get('kernels')} / {f.get('regions')}" if "kernels" in f else "—"
         fc = " / ".join(str(cs.get(m, {}).get("first_call_s", "—")) for m in ("forge", "compile", "max-autotune"))
         peers = " | ".join(_c(cs.get(m)) for m in ("compile", "max-autotune"))
