@@ -12,6 +12,7 @@ next one still runs):
             shapes; --big-time-budget ends it cleanly, --big-cache DB continues it in a later call)
   layouts   issue 14's rows: `forge search --manifest bench/layouts.toml --json` -> DIR/layouts.json, then
             `forge bench --manifest bench/layouts.toml --max-autotune --json` on that cache -> DIR/layouts-bench.json
+            (--layouts-cache DB continues an earlier call's search; --layouts-bench-args replaces --max-autotune)
 --tests-marker "" runs what --tests names without `-m gpu` (the op tests then run their kernels on CUDA).
 Forge caches live in a temporary directory, never under DIR (the device tool brings back few files).
 The last thing printed is one table of every part.
@@ -150,6 +151,10 @@ def layouts(out: Path, work: Path, args) -> list[str]:
     """Issue 14: bench/layouts.toml searched (its own budget, 50), then every row benched interleaved against
     eager, the fused torch op, torch.compile (default and max-autotune-no-cudagraphs) and Liger."""
     db = work / "layouts.db"
+    if args.layouts_cache:  # an earlier call's DIR/layouts.db: its entries are not searched again
+        import shutil
+
+        shutil.copyfile(args.layouts_cache, db)
     cmd = [*FORGE, "search", "--manifest", "bench/layouts.toml", "--json", "--cache", str(db)]
     if args.layouts_time_budget:
         cmd += ["--time-budget", str(args.layouts_time_budget)]
@@ -157,7 +162,8 @@ def layouts(out: Path, work: Path, args) -> list[str]:
     if not args.layouts_bench_limit:  # search only: DIR/layouts.db continues it (forge bench --cache) later
         return lines
     dst = out / "layouts-bench.json"
-    cmd = [*FORGE, "bench", "--manifest", "bench/layouts.toml", "--max-autotune", "--json", "--cache", str(db)]
+    cmd = [*FORGE, "bench", "--manifest", "bench/layouts.toml", *args.layouts_bench_args.split(), "--json",
+           "--cache", str(db)]
     with open(dst, "w") as fh:
         t0 = time.monotonic()
         print("$", " ".join(cmd), flush=True)
@@ -199,6 +205,8 @@ def main() -> int:
     ap.add_argument("--layouts-limit", type=float, default=330)
     ap.add_argument("--layouts-time-budget", type=float, default=None, help="forge search --time-budget for layouts")
     ap.add_argument("--layouts-bench-limit", type=float, default=300, help="0: search only, no bench")
+    ap.add_argument("--layouts-bench-args", default="--max-autotune", help="more forge bench options")
+    ap.add_argument("--layouts-cache", type=Path, default=None, help="a layouts.db from an earlier call to continue")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONUNBUFFERED"] = "1"

@@ -33,7 +33,8 @@ def table(path: Path) -> str:
     lines = [f"`{path.name}` — {d['gpu']}, driver {d['driver']}, torch {d['torch']}, triton {d['triton']}, "
              f"transformers {d['transformers']}, {d['date']}; `{d['command']}`; {d['timing']}.", "",
              "| model | eager ms | forge ms (x eager) | torch.compile ms (x) | max-autotune ms (x) | Liger ms (x) "
-             "| forge device time vs eager | device time in forge kernels (in regions forge decided: kernel or torch op) "
+             "| forge device time vs eager "
+             "| device time in forge kernels (in regions forge decided: kernel or torch op) "
              "| forge kernels / regions | first call s: forge / compile / max-autotune |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
