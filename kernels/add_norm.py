@@ -157,8 +157,9 @@ def run(module, inputs, out, attrs) -> None:
     x, r = inputs[:2]
     n = x.shape[-1]
     params = tuple(t.reshape(-1) for t in inputs[2:])  # w (rmsnorm); w, b (layer_norm)
-    module.launch(x.reshape(-1, n), r.reshape(-1, n), *params, out[0].view(-1, n), out[1].view(-1, n),
-                  attrs["eps"])
+    # out whole, (2, rows, n): the kernel writes y to its [0] and h to its [1] (at out.stride(0)), so every
+    # tensor argument is an input or the output and forge/launch.py can replay it through the C launch path
+    module.launch(x.reshape(-1, n), r.reshape(-1, n), *params, out.view(2, -1, n), attrs["eps"])
 
 
 def space(spec: KernelSpec) -> opkit.Space:
