@@ -170,10 +170,12 @@ def make_inputs(spec: KernelSpec, seed: int, distribution: str = "normal"):
 
 
 def _split(inputs, attrs):
-    x, w, *rest = inputs
-    b = rest.pop(0) if attrs.get("bias", "none") != "none" else None
-    r = rest.pop(0) if attrs.get("residual") else None
-    return x, w, b, r
+    # By index, not `x, w, *rest = inputs` and rest.pop(): TorchDynamo (torch 2.11) made rest a tuple when it
+    # traced this for forge bench's torch.compile contestant ("'tuple' object has no attribute 'pop'").
+    has_b = attrs.get("bias", "none") != "none"
+    b = inputs[2] if has_b else None
+    r = inputs[2 + has_b] if attrs.get("residual") else None
+    return inputs[0], inputs[1], b, r
 
 
 def reference(inputs, attrs):

@@ -317,11 +317,55 @@ def test_contestant_wiring_compile_mismatch_and_no_compiler(cached, tmp_path, mo
     for name in ("eager", "compile", "compile-max-autotune"):
         assert st[name].status == "ok" and st[name].quantiles.n == 2, st[name]
     assert "max-autotune-no-cudagraphs" in st["compile-max-autotune"].label
+    # eager outside the tolerance (the user's own code, less exact than forge must be): still timed, the
+    # baseline of every speedup, marked mismatch and never the fastest
+    opmod = ops.get("rmsnorm").module
+    monkeypatch.setattr(opmod, "reference", lambda i, a, ref=opmod.reference:  # the float64 oracle calls it too
+                        ref(i, a) * (1.0 if i[0].dtype == torch.float64 else 1.5))
+    rep = bench.run_bench([target], backend="interpreter", cache=db, options=opts)
+    st = {c.name: c for c in rep.results[0].contestants}
+    assert st["eager"].status == "mismatch" and st["eager"].quantiles.n == 2 and "timed anyway" in st["eager"].reason
+    assert st["compile"].status == "mismatch" and st["compile"].quantiles is None  # a peer: not timed
+    assert rep.results[0].fastest != "eager"
+    monkeypatch.undo()
     monkeypatch.setattr(bench_contestants, "_cpp_compiler", lambda: None)
     rep = bench.run_bench([target], backend="interpreter", cache=db,
                           options=dataclasses.replace(opts, skip=frozenset({"forge", "fused"})))
     st = {c.name: c for c in rep.results[0].contestants}
     assert st["compile"].status == "skipped" and "C++ compiler" in st["compile"].reason
+
+
+def test_liger_norms_over_another_dim_are_skipped_not_errors(monkeypatch):
+    """Liger's rms_norm / layer_norm normalize the last dim: over NCHW's C or several trailing dims they raised
+    inside Liger on the H200 (reported as errors); now they are unavailable for that spec."""
+    calls = []
+    monkeypatch.setattr(bench_contestants, "_liger_api", lambda *a: (lambda *i: calls.append(i) or i[0]))
+    for factory, args in ((bench_contestants._liger_rmsnorm, ("x", "w")),
+                          (bench_contestants._liger_layer_norm, ("x", "w", "b"))):
+        _, fn = factory()
+        assert fn(args, {"eps": 1e-6}) == "x"
+        for attrs in ({"eps": 1e-6, "dim": -3}, {"eps": 1e-6, "dims": 3}):
+            with pytest.raises(bench_contestants._Unavailable, match="last dim only"):
+                fn(args, attrs)
+    assert len(calls) == 2
+
+
+@CPU
+def test_a_peer_unavailable_for_the_spec_is_skipped(cached, tmp_path, monkeypatch):
+    db = Cache(_cache_copy(cached, tmp_path))
+    target = bench.resolve_target("rmsnorm", (8, 64), "float16", None, "interpreter", db)
+    monkeypatch.setattr(bench_peaks, "_measure_peaks", lambda backend: {
+        "copy_tbps": 1e-3, "matmul_tflops": {"float16": 1e-3}, "method": "fake", "measured_at": "now"})
+
+    def unavailable(i, a):
+        raise bench_contestants._Unavailable("not for this spec")
+
+    monkeypatch.setattr(bench_contestants, "_liger", lambda op: ("liger_x", unavailable))
+    opts = bench.BenchOptions(skip=frozenset({"forge", "compile", "fused"}), rounds=2)
+    st = {c.name: c for c in bench.run_bench([target], backend="interpreter", cache=db, options=opts)
+          .results[0].contestants}
+    assert st["liger"].status == "skipped" and st["liger"].reason == "not for this spec", st["liger"]
+    assert st["eager"].status == "ok"
 
 
 # -- options --------------------------------------------------------------------------------------------

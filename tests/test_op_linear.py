@@ -270,3 +270,19 @@ def test_regions_of_a_tiny_gpt2_and_bert():
     assert len(_by_op(result)["add_norm"]) == 4
     for r in lin:
         _assert_region_computes_its_node(result, r)
+
+
+@pytest.mark.parametrize("attrs", [{"bias": "linear", "activation": "gelu_tanh", "form": "formula", "weight": "kn"},
+                                   {"residual": True}, {"bias": "add", "residual": True, "activation": "relu"}])
+def test_the_reference_traces_under_dynamo(attrs):
+    """forge bench compiles the reference (torch.compile contestant): on the H200 Dynamo made `*rest` of
+    `x, w, *rest = inputs` a tuple and .pop() failed for every linear row (torch 2.11, the GPU machine's; torch
+    2.13 here traced the old code too). Dynamo only (backend="eager")."""
+    spec = MOD.make_spec((5, 12, 8), "float32", "cpu", attrs)
+    inputs = MOD.make_inputs(spec, 0)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(MOD.reference, backend="eager", fullgraph=True)(tuple(inputs), dict(spec.attrs))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, MOD.reference(inputs, spec.attrs))

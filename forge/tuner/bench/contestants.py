@@ -41,9 +41,21 @@ def _liger_api(functional_name: str, ops_module: str, function_class: str) -> Ca
     return fn
 
 
+def _last_dim_only(a: dict, what: str) -> None:
+    """Liger's norms normalize the last dim: a spec over another dim or several trailing dims is not theirs
+    (seen on the H200: an assertion / ValueError from inside Liger, reported as an error before)."""
+    if a.get("dim", -1) != -1 or a.get("dims", 1) != 1:
+        raise _Unavailable(f"Liger-Kernel's {what} normalizes the last dim only")
+
+
 def _liger_rmsnorm():
     fn = _liger_api("liger_rms_norm", "liger_kernel.ops.rms_norm", "LigerRMSNormFunction")
-    return "liger_rms_norm", lambda i, a: fn(i[0], i[1], a["eps"])
+
+    def call(i, a):
+        _last_dim_only(a, "rms_norm")
+        return fn(i[0], i[1], a["eps"])
+
+    return "liger_rms_norm", call
 
 
 def _liger_add_norm():
@@ -68,7 +80,12 @@ def _liger_softmax():
 
 def _liger_layer_norm():
     fn = _liger_api("liger_layer_norm", "liger_kernel.ops.layer_norm", "LigerLayerNormFunction")
-    return "liger_layer_norm", lambda i, a: fn(i[0], i[1], i[2], a["eps"])
+
+    def call(i, a):
+        _last_dim_only(a, "layer_norm")
+        return fn(i[0], i[1], i[2], a["eps"])
+
+    return "liger_layer_norm", call
 
 
 def _liger_swiglu():

@@ -51,6 +51,7 @@ class ContestantResult:
     clock: str | None = None  # cuda-graph | cuda-events | host
     note: str | None = None
     quantiles: stats.Quantiles | None = None
+    inexact: str | None = None  # eager outside the op's tolerance: timed, then status mismatch (_validate)
     speedup: float | None = None  # eager p50 / this p50
     roofline: dict[str, float] | None = None
     # not serialized: how to run it
@@ -78,7 +79,7 @@ class TargetResult:
 
     @property
     def fastest(self) -> str | None:
-        ok = [c for c in self.contestants if c.quantiles is not None]
+        ok = [c for c in self.contestants if c.quantiles is not None and c.status == Status.OK]
         return min(ok, key=lambda c: c.quantiles.p50).name if ok else None
 
     def contestant(self, name: str) -> ContestantResult | None:
@@ -283,6 +284,9 @@ def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed
         try:
             res = c.call(tuple(t.clone() for t in inputs))
             sync()
+        except refs._Unavailable as exc:  # a peer without this spec (Liger's norms over another dim)
+            c.status, c.reason = Status.SKIPPED, str(exc)
+            continue
         except Exception as exc:  # noqa: BLE001 - a contestant may raise anything (compile errors too)
             if memory.is_oom(exc):
                 memory.give_back(backend)
@@ -292,7 +296,12 @@ def _validate(contestants: list[ContestantResult], opmod, spec: KernelSpec, seed
             continue
         reason = compare(res, ref, tol)
         del res
-        if reason is not None:
+        if reason is not None and c.name == "eager":
+            # the user's code as written (a bf16 formula rounding at every step, a residual add that cancels):
+            # less exact than forge must be, and still what the user runs and every speedup is against. Timed
+            # anyway; status "mismatch" after timing, never "fastest" (seen on the H200 for linear + residual).
+            c.inexact = f"outside forge's tolerance against the float64 oracle (timed anyway: the baseline): {reason}"
+        elif reason is not None:  # forge's kernel (exit 5) or a peer: not timed
             c.status, c.reason = Status.MISMATCH, f"does not match the float64 oracle, not timed: {reason}"
     del inputs, ref
     memory.give_back(backend)
@@ -408,6 +417,8 @@ def bench_target(target: Target, backend: str, cache: Cache, peaks: Peaks, opts:
     _time(res.contestants, opmod, spec, backend, opts, engine.SAMPLING[backend])
     eager = res.contestant("eager")
     for c in res.contestants:
+        if c.inexact is not None and c.status == Status.OK:
+            c.status, c.reason = Status.MISMATCH, c.inexact
         if c.quantiles is None:
             continue
         c.speedup = stats.speedup(c.quantiles, eager.quantiles if eager else None)
