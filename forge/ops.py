@@ -90,6 +90,15 @@ _PKG = Path(__file__).resolve().parent
 #                                            (matmul's x @ w.t()), not only with the last dim contiguous
 #   strided_problem(spec) -> str | None      why this spec (built without the layout) takes no strided
 #                                            layout, e.g. a reduction over a non-last dim; None: it does
+#   fold_constants(picked, attrs, constants) -> attrs   forge/regions.py: `constants` maps region inputs that
+#                                            are graph constants (TraceGraph.constant) to their values; the op may
+#                                            fold one into its attributes (sdpa: a boolean mask equal to the
+#                                            causal rule becomes causal=True, form="mask")
+#   reference_parts(inputs, attrs) -> tuple  a multi-output op's natural spelling returning its parts (add_norm's
+#                                            (y, h)): forge bench compiles it for torch.compile and stacks the
+#                                            parts only to validate them
+#   KEEP_MULTI_USE = ("add", ...)            heads of multi-use nodes the op's regions keep inside (add_norm's
+#                                            residual add), the node an extra output of the region
 #   VARIANT_ATTRS = {variant: attrs}         a variant that is only in the space of specs with some attributes
 #                                            (the "strided" variants: a non-last dim); tests/test_templates.py
 #                                            and tests/test_golden.py render and run it under these

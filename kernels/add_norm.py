@@ -121,6 +121,25 @@ def reference(inputs, attrs):
     return out
 
 
+def reference_parts(inputs, attrs):
+    """The user's code as written, returning (y, h) (forge bench compiles this for torch.compile and stacks
+    the parts only to validate them: the out= spelling of `reference` makes Inductor functionalize and copy,
+    2x the device time of its fused kernel on the H200, which would flatter forge)."""
+    import torch
+
+    x, r, w = inputs[:3]
+    h = x + r
+    eps = attrs["eps"]
+    if _norm(attrs) == "layer_norm":
+        return torch.nn.functional.layer_norm(h, (x.shape[-1],), w, inputs[3], eps), h
+    if attrs.get("form") == "hf":
+        hf = h.float()
+        return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), h
+    if attrs.get("form") == "fused":
+        return torch.nn.functional.rms_norm(h, (x.shape[-1],), w, eps), h
+    return h * torch.rsqrt(torch.mean(h * h, dim=-1, keepdim=True) + eps) * w, h
+
+
 def oracle(inputs, attrs):
     """float64, on chunks of rows: h = x + r rounded to the dtype (eager's h, exactly), y the norm of that
     h in float64 (with float64 w, b)."""
