@@ -23,8 +23,11 @@ def table(paths: list[Path]) -> str:
     lines = ["| op, shape, dtype | decision | forge µs | eager µs | speedup | search s | peak per worker GiB "
              "| exit | run |", "|---|---|---|---|---|---|---|---|---|"]
     for (op, shape, dtype, _), (p, e) in rows.items():
+        shown = {k: v for k, v in sorted((e.get("attrs") or {}).items())
+                 if k not in ("eps", "scale", "keepdim") and v not in (None, "none", False)}
+        shape = shape + "".join(f" {k}={v}" for k, v in shown.items())
         peak = e.get("peak_worker_bytes")
-        run = p.stem.rsplit("-", 1)[-1]
+        run = p.stem.rsplit("-", 1)[-1] if len(runs) > 1 else "—"
         fmt = (lambda v: f"{v:.1f}" if v else "—")
         speed = f"{e['speedup']:.2f}x" if e.get("speedup") else "—"
         lines.append(f"| {op} {shape} {dtype} | {e.get('decision') or e['status']} | {fmt(e.get('p50_us'))} "
