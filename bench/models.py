@@ -355,6 +355,9 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
                          "forge_region_share": (round((d["forge_kernels"] + d["torch_ops"]) / forge_dev, 4)
                                                 if forge_dev else None),
                          "top_other_kernels_ms": d["top_other"]}
+        for mode in ("compile", "max-autotune"):  # the peers' device time too: a side-by-side device ratio
+            if mode in runs:
+                row["device"][f"{mode}_ms"] = round(device_time(runs[mode])["total"], 4)
     print(json.dumps(row), flush=True)
     return row
 

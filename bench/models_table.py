@@ -45,6 +45,9 @@ def table(path: Path) -> str:
         e, f = cs.get("eager", {}), cs.get("forge", {})
         dev = r.get("device")
         dv = f"{dev['eager_ms']:.2f} → {dev['forge_ms']:.2f} ms ({dev['speedup']:.2f}x)" if dev else "—"
+        for mode in ("compile", "max-autotune"):  # runs since run e: the peers' device time as well
+            if dev and dev.get(f"{mode}_ms"):
+                dv += f"; {mode} {dev[f'{mode}_ms']:.2f} ms ({dev['eager_ms'] / dev[f'{mode}_ms']:.2f}x)"
         share = f"{dev['forge_kernel_share']:.1%}" if dev and dev.get("forge_kernel_share") is not None else "—"
         if dev and dev.get("forge_region_share") is not None:  # kernel + torch-op regions (issue 14's target)
             share += f" ({dev['forge_region_share']:.1%})"
