@@ -121,6 +121,26 @@ def op_dir(tmp_path, monkeypatch):
         sys.modules.pop(f"forge_ops.{name}", None)
 
 
+def test_families_are_loaded_once_until_a_file_changes(op_dir):
+    """get() is called for every region of a model: the family (and its template_hash) is reused while the
+    module and the files are unchanged; an edited template is a new hash (new keys), a new op file is seen."""
+    import os
+
+    path = op_dir("tiny_memo", TINY.format(name="tiny_memo"))
+    first = ops.get("tiny_memo")
+    assert ops.get("tiny_memo") is first
+    h = first.template_hash
+    tmpl = path.parent / "templates" / "tiny_memo.j2"
+    tmpl.write_text("def launch(*args):\n    return None\n")
+    st = tmpl.stat()
+    os.utime(tmpl, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a later mtime on any filesystem clock
+    second = ops.get("tiny_memo")
+    assert second is not first and second.template_hash != h
+    assert "tiny_memo2" not in ops.available()
+    op_dir("tiny_memo2", TINY.format(name="tiny_memo2"))
+    assert "tiny_memo2" in ops.available() and ops.get("tiny_memo2").name == "tiny_memo2"
+
+
 def _inputs():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float32)
     return x, torch.tensor([2, 0], dtype=torch.int64)
