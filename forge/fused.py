@@ -91,9 +91,11 @@ FUSED: dict[str, Fused | str] = {
     # a candidate where the user wrote a * sigmoid(a) * b (form="formula", three or four kernels).
     "silu_mul": Fused("F.silu(a) * b", lambda i, a: _f().silu(i[0]) * i[1],
                       same_as_eager=lambda a: a.get("form") != "formula"),
-    # the user's call unless it passed the causal rule as a mask tensor (form="mask", kernels/sdpa.py): then
-    # F.sdpa(is_causal=...) on the same q, k, v is a candidate (torch can use its flash backend)
-    "sdpa": Fused("F.scaled_dot_product_attention", _sdpa, same_as_eager=lambda attrs: attrs.get("form") != "mask"),
+    # the user's call unless it passed the causal rule as a mask tensor or repeated k/v first (form "mask" /
+    # "repeat", kernels/sdpa.py): then F.sdpa(is_causal=..., enable_gqa) on the unrepeated q, k, v is a candidate
+    # (torch can use its flash backend, and reads k/v once per group)
+    "sdpa": Fused("F.scaled_dot_product_attention", _sdpa,
+                  same_as_eager=lambda attrs: attrs.get("form") not in ("mask", "repeat")),
     "matmul": Fused("torch.matmul", lambda i, a: _torch().matmul(i[0], i[1]), same_as_eager=_always),
     "cross_entropy": Fused("F.cross_entropy", lambda i, a: _f().cross_entropy(
         i[0], i[1], ignore_index=a["ignore_index"], reduction=a["reduction"]), same_as_eager=_always),

@@ -158,6 +158,12 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
     # Families whose region keeps a multi-use node of these heads inside (add_norm: the residual add that
     # feeds a norm and the next residual add), its own inputs cut instead; tried only with those families,
     # before every other cut but the whole tree (cut_gemm would cut the add and give the plain norm).
+    # Families that see through single-use views/expands under their inputs (sdpa: transformers' repeat_kv
+    # over k and v): a cut below such chains, tried before the cuts at views (cut_bound) and the direct inputs.
+    # Their matches, as add_norm's, must fit the kernels (a "repeat" of another layout falls to the next cut)
+    # except at the direct inputs, where a match the kernels refuse is a region that says why (attn_mask).
+    lookers = [f for f in specific if getattr(f.module, "LOOK_THROUGH", ())]
+    look_heads = frozenset(h for f in lookers for h in f.module.LOOK_THROUGH)
     keepers = [f for f in specific if getattr(f.module, "KEEP_MULTI_USE", ())]
     keep_heads = frozenset(h for f in keepers for h in f.module.KEEP_MULTI_USE)
     multi_images = cut_multi - multi
@@ -188,7 +194,9 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
                     # every multi-use node that is, or casts up exactly from, a node of the chain stays inside
                     inside = {m for m in multi if m in chain or _through_upcasts(graph, {m}) & set(chain)}
                     inner.append((_through_upcasts(graph, (multi - inside) | below), keepers))
+        deep = _below_chains(graph, heads, n, look_heads) if lookers else None
         for cut, fams in ((frozenset(), families), *inner, (cut_gemm, families), (cut_multi, families),
+                          *(((deep, lookers),) if deep is not None else ()),
                           (cut_bound_specific, specific), (cut_bound, generic), (direct, families)):
             fams = [f for f in fams if f.name not in tried.get(cut, ())]
             if not fams or (not cut and n not in whole):
@@ -198,7 +206,10 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
             for fam in fams:
                 m = getattr(fam.module, "match", None)
                 if m is not None and (res := m(traced.expr)) is not None:
-                    if getattr(fam.module, "KEEP_MULTI_USE", ()) and not _fits(fam, traced, *res, device):
+                    res = (res[0], _folded(fam, graph, traced, *res))
+                    if ((getattr(fam.module, "KEEP_MULTI_USE", ())
+                         or (getattr(fam.module, "LOOK_THROUGH", ()) and cut != direct))
+                            and not _fits(fam, traced, *res, device)):
                         # a region that keeps a shared node inside but cannot take these inputs (GPT-2's
                         # wte + wpe broadcast add) would leave its norm eager: the plain norm is tried instead
                         continue
@@ -220,12 +231,6 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
             region.extra_outputs = [m for m in region.nodes if m is not n and any(u not in inside for u in m.users)]
         covered.update(region.nodes)
         picked = [traced.tensors[i] if i is not None else None for i in indices]
-        fold = getattr(fam.module, "fold_constants", None)
-        if fold is not None:  # inputs with one value on every call may become attributes (sdpa's causal mask)
-            constants = {i: t for i, (leaf, t) in enumerate(zip(traced.leaves, traced.tensors, strict=True))
-                         if not isinstance(leaf, str) and graph.constant(leaf)}
-            if constants:
-                attrs = fold(picked, dict(attrs), constants)
         try:
             shape, dtype, region.attrs = _fit(fam, picked, attrs, device)
             region.shape, region.dtype = shape, dtype
@@ -243,6 +248,34 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
     unmatched = [Unmatched(n, _describe_call(n), tuple(graph.values[n].shape), reasons.get(n, "no op family matches"),
                            graph=graph_index) for n in calls if n not in covered]
     return regions, unmatched
+
+
+def _folded(fam, graph, traced, indices: list, attrs: dict) -> dict:
+    """The matcher's attrs, with the region inputs that are graph constants folded in where the family
+    says how (fold_constants: sdpa's causal mask tensor becomes causal=True)."""
+    fold = getattr(fam.module, "fold_constants", None)
+    if fold is None:
+        return attrs
+    constants = {i: t for i, (leaf, t) in enumerate(zip(traced.leaves, traced.tensors, strict=True))
+                 if not isinstance(leaf, str) and graph.constant(leaf)}
+    if not constants:
+        return attrs
+    return fold([traced.tensors[i] if i is not None else None for i in indices], dict(attrs), constants)
+
+
+def _below_chains(graph, heads: dict, n, look: frozenset) -> frozenset:
+    """The cut under n's direct inputs that passes down through single-use nodes of the `look` heads (views,
+    expands): the node each chain starts from is the leaf (none where it is a graph input)."""
+    below = set()
+    for a in n.all_input_nodes:
+        while a is not None and a.op.startswith("call_") and heads.get(a) in look and len(a.users) == 1:
+            ins = [x for x in a.all_input_nodes if x.op.startswith("call_")]
+            if len(ins) > 1 or (not ins and len(a.all_input_nodes) != 1):
+                break
+            a = ins[0] if ins else None  # a chain over a graph input: that input is a leaf anyway
+        if a is not None and a.op.startswith("call_"):
+            below.add(a)
+    return _through_upcasts(graph, below)
 
 
 def _fit(fam, picked: list, attrs: dict, device: str) -> tuple[tuple, str, dict]:

@@ -45,12 +45,19 @@ DEFAULT_ATTRS = {"causal": False, "scale": None, "kv_heads": None}
 # explicit mask (torch then cannot use its flash backend) on k/v repeated per query head, as transformers
 # 5.17's repeat_kv does before a masked call; torch's fused op F.sdpa(is_causal=...) is then a real
 # candidate (forge/fused.py). Absent: the user called F.sdpa with is_causal.
-FORMS = ("mask",)
+# form="repeat": the user's code repeats k/v per query head first (transformers' repeat_kv, absorbed by the
+# matcher: the spec is grouped-query attention over the unrepeated k/v); the reference repeats as they do,
+# and F.sdpa(enable_gqa=True) on the unrepeated tensors is the fused candidate. "mask" implies the repeat.
+FORMS = ("mask", "repeat")
 OPTIONAL_ATTRS = ("form",)
 # What a traced call may carry besides DEFAULT_ATTRS; accepted only at their no-op values, so the
 # matcher can pass them through and make_spec names the unsupported one in its error. mask_leaf is the
 # matcher's note (which region input the mask is) for fold_constants; it never reaches a spec.
-_CALL_ATTRS = {"attn_mask": None, "dropout_p": 0.0, "enable_gqa": None, "mask_leaf": None, "form": None}
+_CALL_ATTRS = {"attn_mask": None, "dropout_p": 0.0, "enable_gqa": None, "mask_leaf": None, "form": None,
+               "kv_repeat": None}
+# forge/regions.py cuts below single-use nodes of these heads under q, k, v (a cut tried before the direct
+# inputs): the matcher then sees k and v as transformers' repeat_kv spells them (kv_repeat below).
+LOOK_THROUGH = ("view", "expand")
 # q, k and v may each be strided with D contiguous (forge/ops.py: the "strides" attribute).
 STRIDED_INPUTS = (0, 1, 2)
 
@@ -101,7 +108,7 @@ def _normalise(shape: tuple[int, ...], attrs: dict | None) -> dict:
         raise ValueError(f"scale={scale:g} is not supported (only scale > 0)")
     if a["form"] is not None and a["form"] not in FORMS:
         raise ValueError(f"form={a['form']!r}: sdpa knows form='mask' (the causal rule or no masking, passed as a "
-                         "boolean attn_mask) or no form (is_causal)")
+                         "boolean attn_mask), 'repeat' (k/v repeated per query head first) or no form")
     out = {"causal": bool(a["causal"]), "scale": scale, "kv_heads": kv_heads}
     return {**out, "form": a["form"]} if a["form"] else out  # absent: every other spec's key is unchanged
 
@@ -139,6 +146,12 @@ def problem(inputs, attrs: dict) -> tuple[int, ...]:
                          f"q's B={b} and D={d} (a value head dim other than D is not supported)")
     if hq % hkv:
         raise ValueError(f"query heads {hq} are not a multiple of kv heads {hkv}")
+    rep = attrs.get("kv_repeat")
+    if rep is not None:  # the matcher's note: k, v were k0[:, :, None].expand(...).reshape(...) in the user's code
+        unsq, n = rep
+        if tuple(k.shape) != (unsq[0], unsq[1], unsq[3], unsq[4]) or hkv * n != hq:
+            raise ValueError(f"k/v {tuple(k.shape)} repeated {n} times as {tuple(unsq)} is not grouped-query "
+                             f"attention for {hq} query heads")
     attrs["kv_heads"] = int(hkv)
     return (b, hq, sq, skv, d)
 
@@ -192,19 +205,24 @@ def _sdpa_torch(q, k, v, causal: bool, scale: float):
 
 def reference(inputs, attrs):
     """The eager baseline, the user's call: torch's fused SDPA (flash / memory-efficient / cuDNN backends on
-    CUDA) with is_causal; for form="mask" with the explicit boolean mask (causal rule or all True) on k/v
-    repeated per query head (what transformers 5.17 runs under torch.compile)."""
+    CUDA) with is_causal; for form="repeat" on k/v repeated per query head first (repeat_kv); for form="mask"
+    also with the explicit boolean mask (causal rule or all True): what transformers 5.17 runs under
+    torch.compile."""
     import torch
     import torch.nn.functional as F
 
     q, k, v = inputs
-    if attrs.get("form") != "mask":
+    form = attrs.get("form")
+    if form not in ("mask", "repeat"):
         return _sdpa_torch(q, k, v, attrs["causal"], attrs["scale"])
+    group = q.shape[1] // k.shape[1]
+    if form == "repeat":
+        return _sdpa_torch(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attrs["causal"],
+                           attrs["scale"])
     sq, skv = q.shape[2], k.shape[2]
     mask = torch.ones(sq, skv, dtype=torch.bool, device=q.device)
     if attrs["causal"]:
         mask = mask.tril(diagonal=0)
-    group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(q.shape[0], 1, sq, skv),
@@ -487,16 +505,38 @@ def tolerance(dtype: str) -> opkit.Tolerance:
 
 
 # -- recognising sdpa in user code (forge/trace.py canonical forms) ---------------------------------
+def _repeated(t) -> tuple[int, tuple | None] | None:
+    """(input index, None) for a plain input; (input index, (unsqueezed shape, n)) for transformers'
+    repeat_kv, `x[:, :, None, :, :].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)` (canonically
+    view(expand(view(x)))): the same attention as GQA over x (problem() checks x's shape); else None."""
+    if t[0] == "input":
+        return t[1], None
+    try:
+        head, (h2, (h3, x, (c1k, c1)), (c2k, c2)), (c3k, c3) = t
+    except (TypeError, ValueError):
+        return None
+    if (head, h2, h3, c1k, c2k, c3k, x[0]) != ("view", "expand", "view", "const", "const", "const", "input"):
+        return None
+    if not (len(c1) == len(c2) == 5 and c1[2] == 1 and tuple(c2[:2]) == tuple(c1[:2])
+            and tuple(c2[3:]) == tuple(c1[3:]) and tuple(c3) == (c2[0], c2[1] * c2[2], c2[3], c2[4])):
+        return None
+    return x[1], (tuple(c1), int(c2[2]))
+
+
 def match(expr) -> tuple[list, dict] | None:
-    """("sdpa", q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) with q, k, v plain inputs.
-    attn_mask / dropout_p are passed on when set, so make_spec names them as the reason for eager."""
+    """("sdpa", q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) with q a plain input and k, v
+    plain inputs or both repeat_kv'd (GQA over the unrepeated tensors). attn_mask / dropout_p are passed on
+    when set, so make_spec names them as the reason for eager."""
     if expr[0] != "sdpa" or len(expr) != 9:
         return None
     _, q, k, v, mask, dropout, causal, scale, gqa = expr
-    if any(t[0] != "input" for t in (q, k, v)):
+    kk, vv = _repeated(k), _repeated(v)
+    if q[0] != "input" or kk is None or vv is None or kk[1] != vv[1]:
         return None
     if any(t[0] != "const" for t in (dropout, causal, scale, gqa)):
         return None
+    if mask[0] == "expand" and mask[1][0] == "input" and mask[2][0] == "const":
+        mask = mask[1]  # a broadcast of the mask input: the same values (fold_constants broadcasts it too)
     if mask[0] not in ("const", "input"):  # the mask's own computation: matched where it is a region input
         return None
     attrs: dict = {"causal": bool(causal[1]), "scale": None if scale[1] is None else float(scale[1]),
@@ -507,5 +547,7 @@ def match(expr) -> tuple[list, dict] | None:
             attrs["mask_leaf"] = mask[1]
     if dropout[1]:
         attrs["dropout_p"] = float(dropout[1])
-    return [q[1], k[1], v[1]], attrs
+    if kk[1] is not None:  # fold_constants turns it into form="mask" where the mask is the causal rule
+        attrs["kv_repeat"], attrs["enable_gqa"], attrs["form"] = kk[1], True, "repeat"
+    return [q[1], kk[0], vv[0]], attrs
 

@@ -79,7 +79,8 @@ def _sdpa_regions(fn, *args):
 def test_hf_causal_mask_is_folded_into_causal():
     (r,) = _sdpa_regions(hf_attention, *_qkv())
     assert r.unsupported is None, r.unsupported
-    assert r.attrs["causal"] is True and r.attrs["form"] == "mask" and r.attrs["kv_heads"] == HQ, r.attrs
+    # repeat_kv's copies are inside the region: grouped-query attention over the unrepeated k, v
+    assert r.attrs["causal"] is True and r.attrs["form"] == "mask" and r.attrs["kv_heads"] == HKV, r.attrs
     assert "attn_mask" not in r.attrs and "mask_leaf" not in r.attrs
     assert r.shape == (B, HQ, S, S, D) and r.attrs["scale"] == 0.25
 
@@ -87,6 +88,32 @@ def test_hf_causal_mask_is_folded_into_causal():
 def test_a_shared_mask_is_folded_in_every_call():
     rs = _sdpa_regions(two_layers, *_qkv())
     assert len(rs) == 2 and all(r.unsupported is None and r.attrs["form"] == "mask" and r.attrs["causal"] for r in rs)
+
+
+def flat_repeat(q, k, v):
+    """A "repeat" of a tensor that is not (B, Hkv, S, D): the same view/expand/reshape chain over another
+    layout is no grouped-query attention."""
+    b, _, s, d = q.shape
+    kr = k.reshape(b, HKV, 1, s, d).expand(b, HKV, HQ // HKV, s, d).reshape(b, HQ, s, d)
+    vr = v.reshape(b, HKV, 1, s, d).expand(b, HKV, HQ // HKV, s, d).reshape(b, HQ, s, d)
+    return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+
+
+def test_repeat_kv_is_grouped_query_attention_only_in_its_own_layout():
+    q, k, v = _qkv()
+    (r,) = _sdpa_regions(lambda q, k, v: F.scaled_dot_product_attention(
+        q, _repeat_kv(k, 2), _repeat_kv(v, 2), is_causal=True), q, k, v)
+    # the user's repeat is the baseline (form "repeat"); F.sdpa(enable_gqa) on the unrepeated k/v competes
+    assert r.unsupported is None and r.attrs["kv_heads"] == HKV and r.attrs["form"] == "repeat", r.attrs
+    assert fused.candidate("sdpa", r.attrs) is not None
+    got = MOD.reference((q, k, v), r.attrs)
+    assert torch.equal(got, F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), is_causal=True,
+                                                           scale=r.attrs["scale"]))
+    assert compare(got, MOD.oracle((q, k, v), r.attrs), MOD.tolerance("float32")) is None
+    assert [leaf.name for leaf in r.leaves[:3]] == ["l_q_", "l_k_", "l_v_"], r.leaves
+    flat = (q, k.reshape(B, HKV * S * D), v.reshape(B, HKV * S * D))
+    (r,) = _sdpa_regions(flat_repeat, *flat)
+    assert r.unsupported is None and r.attrs["kv_heads"] == HQ, r.attrs  # the repeated tensors, as MHA
 
 
 def test_a_mask_that_lets_one_query_see_every_key_is_no_mask():
@@ -179,7 +206,7 @@ def test_the_backend_swaps_the_masked_call_for_a_kernel(tmp_path, monkeypatch):
     q, k, v = _qkv()
     db = tmp_path / "forge.db"
     rep = engine.search("sdpa", (B, HQ, S, S, D), "float32", device="cpu", cache=Cache(db),
-                        attrs={"causal": True, "scale": 0.25, "form": "mask"},
+                        attrs={"causal": True, "scale": 0.25, "form": "mask", "kv_heads": HKV},
                         options=engine.SearchOptions(budget=1, workers=1, timeout=120))
     assert rep.decision == "kernel", rep.candidates
     want = hf_attention(q, k, v)
@@ -192,7 +219,7 @@ def test_the_backend_swaps_the_masked_call_for_a_kernel(tmp_path, monkeypatch):
     finally:
         torch._dynamo.reset()
     (r,) = [r for r in be.explain().regions if r.op == "sdpa"]
-    assert r.uses == "kernel" and r.attrs["form"] == "mask", r
+    assert r.uses == "kernel" and r.attrs["form"] == "mask" and r.attrs["kv_heads"] == HKV, r
     # the first call planned the graph (its own nodes ran), the second ran the kernel
     assert [(c.calls, c.fallbacks) for c in be.kernel_calls] == [(1, 0)]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
