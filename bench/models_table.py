@@ -30,13 +30,18 @@ def _liger(r: dict) -> str:
 
 def table(path: Path) -> str:
     d = json.loads(path.read_text())
+    # runs with the CUDA-graph contestants (forge's cudagraphs=True, torch.compile's reduce-overhead) get two
+    # more columns
+    graphs = any(m in r.get("contestants", {}) for r in d["rows"] for m in ("forge-cudagraphs", "compile-cudagraphs"))
     lines = [f"`{path.name}` — {d['gpu']}, driver {d['driver']}, torch {d['torch']}, triton {d['triton']}, "
              f"transformers {d['transformers']}, {d['date']}; `{d['command']}`; {d['timing']}.", "",
              "| model | eager ms | forge ms (x eager) | torch.compile ms (x) | max-autotune ms (x) | Liger ms (x) "
+             + ("| forge + CUDA graphs ms (x) | compile reduce-overhead ms (x) " if graphs else "")
+             +
              "| forge device time vs eager "
              "| device time in forge kernels (in regions forge decided: kernel or torch op) "
              "| forge kernels / regions | first call s: forge / compile / max-autotune |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if graphs else "")]
     for r in d["rows"]:
         cs = r.get("contestants", {})
         if not cs:
@@ -54,8 +59,11 @@ def table(path: Path) -> str:
         kr = f"{f.get('kernels')} / {f.get('regions')}" if "kernels" in f else "—"
         fc = " / ".join(str(cs.get(m, {}).get("first_call_s", "—")) for m in ("forge", "compile", "max-autotune"))
         peers = " | ".join(_c(cs.get(m)) for m in ("compile", "max-autotune"))
+        extra = ""
+        if graphs:
+            extra = " | ".join(_c(cs.get(m)) for m in ("forge-cudagraphs", "compile-cudagraphs")) + " | "
         lines.append(f"| {r.get('label', r['model'])} | {e.get('ms_per_forward', 0):.2f} | {_c(f)} | {peers} "
-                     f"| {_liger(r)} | {dv} | {share} | {kr} | {fc} |")
+                     f"| {_liger(r)} | {extra}{dv} | {share} | {kr} | {fc} |")
     if d.get("note"):
         lines += ["", d["note"]]
     return "\n".join(lines)

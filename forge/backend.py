@@ -70,6 +70,7 @@ class ModelExplanation:
     regions: tuple[RegionExplanation, ...]
     unmatched: tuple[tuple[int, str, str, str], ...]  # (graph, node, call, why)
     graphs: int
+    cudagraphs: tuple[tuple[int, str], ...] = ()  # (graph, what its CUDA graph did), with cudagraphs=True
 
     @property
     def kernels(self) -> int:
@@ -99,6 +100,7 @@ class ModelExplanation:
     def __str__(self) -> str:
         lines = [f"forge backend: {self._counts()}"]
         lines += [f"  {r}" for r in self.regions]
+        lines += [f"  graph {g} CUDA graph: {what}" for g, what in self.cudagraphs]
         if self.unmatched:
             lines.append(f"  {len(self.unmatched)} call(s) match no op family: "
                          + ", ".join(f"{node} ({call})" for _, node, call, _ in self.unmatched[:20])
@@ -117,9 +119,15 @@ class Backend:
     into each captured graph. `explain()` reports every region it has seen."""
 
     def __init__(self, *, miss: str = "search", rest: str = "eager", manifest: str | os.PathLike | None = None,
-                 budget: int = 50, cache: str | os.PathLike | None = None, interpreter: bool | None = None):
+                 budget: int = 50, cache: str | os.PathLike | None = None, interpreter: bool | None = None,
+                 cudagraphs: bool = False):
         self.miss = _check("miss", miss, MISS)
         self.rest = _check("rest", rest, REST)
+        if not isinstance(cudagraphs, bool):
+            raise UsageError(f"forge backend: cudagraphs={cudagraphs!r}: expected True or False")
+        # each CUDA graph of the backend replays whole (forge/cudagraph.py): one launch per call
+        self.cudagraphs = cudagraphs
+        self.graphed: list[tuple[int, Any]] = []  # (graph index, its forge.cudagraph.GraphedRun)
         self.manifest = Path(manifest or DEFAULT_MANIFEST)
         self.budget = budget
         self.cache = Path(cache) if cache else None
@@ -134,7 +142,8 @@ class Backend:
         self.resolve_miss = {"eager": "skip", "record": "record"}.get(self.miss)
 
     def explain(self) -> ModelExplanation:
-        return ModelExplanation(tuple(self.regions), tuple(self.unmatched), self.graphs)
+        return ModelExplanation(tuple(self.regions), tuple(self.unmatched), self.graphs,
+                                tuple((i, g.describe()) for i, g in self.graphed))
 
     def kernel_names(self) -> frozenset[str]:
         """The names of the @triton.jit functions of every kernel swapped in: how a profile tells forge's
@@ -205,10 +214,17 @@ class Backend:
             self.regions.extend(reports)
             self.unmatched.extend((index, u.node.name, u.call, u.reason) for u in unmatched)
             self.kernel_calls.extend(call for _, call in swaps)
-        if not swaps:
-            return self._rest(gm, args), g.output
-        swapped = _swapped(gm, swaps, inductor=self.rest == "inductor")
-        return self._rest(swapped, args), g.output
+        run_gm = _swapped(gm, swaps, inductor=self.rest == "inductor") if swaps else gm
+        run = self._rest(run_gm, args)
+        if self.cudagraphs and device == "cuda":
+            from forge.cudagraph import GraphedRun, mutated_inputs
+
+            index_of = next((t.get_device() for t in tensors if t.is_cuda), 0)
+            graphed = GraphedRun(run, mutated_inputs(gm), index_of, first_args=args)
+            with self._lock:
+                self.graphed.append((index, graphed))
+            run = graphed
+        return run, g.output
 
     def _rest(self, gm, args: tuple) -> Callable:
         if self.rest == "inductor":

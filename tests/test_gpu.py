@@ -251,6 +251,52 @@ def test_shim_module_and_load_on_cuda(tuned_rmsnorm):
     assert torch.equal(f(xt, w), _rms(xt, w))
 
 
+def test_backend_cudagraphs_replays_the_whole_graph_with_a_forge_kernel_inside(tuned_rmsnorm):
+    """Backend(cudagraphs=True): the graph with forge's rmsnorm kernel in it captured once and replayed; the
+    values are eager's on new inputs, earlier outputs are not overwritten, a moved weight runs without the
+    graph and captures again."""
+    import torch
+
+    from forge.backend import Backend
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4096, device="cuda", dtype=torch.float16))
+            self.lin = torch.nn.Linear(4096, 4096, device="cuda", dtype=torch.float16)
+
+        def forward(self, x):
+            return self.lin(_rms(x, self.w)) + 1.0
+
+    m = Block()
+    be = Backend(miss="eager", cudagraphs=True, cache=_default_db())
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(m, backend=be, dynamic=False)
+        outs = []
+        with torch.no_grad():
+            for _ in range(5):
+                x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
+                outs.append((f(x), m(x)))
+            rep = be.explain()
+            assert rep.kernels == 1, rep
+            (graphed,) = [g for _, g in be.graphed]
+            assert graphed.captures == 1 and graphed.replays == 4, graphed.describe()
+            for got, want in outs:
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+            m.w.data = m.w.data.clone()  # a parameter moved to another storage: not the captured one
+            x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
+            torch.testing.assert_close(f(x), m(x), rtol=2e-2, atol=2e-2)
+            x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
+            torch.testing.assert_close(f(x), m(x), rtol=2e-2, atol=2e-2)
+            # the same graph saw the weight move (or Dynamo's guards made a new graph): either way not replayed
+            # with the old storage
+            assert graphed.moved == 1 or len(be.graphed) == 2, [g.describe() for _, g in be.graphed]
+            assert "CUDA graph" in str(be.explain())
+    finally:
+        torch._dynamo.reset()
+
+
 def test_trace_profile_on_cuda_attributes_device_time(tmp_path):
     """forge trace --profile on the GPU: device time per matched op, each kernel counted once."""
     import json
