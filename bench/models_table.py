@@ -39,7 +39,8 @@ def table(path: Path) -> str:
              + ("| forge + CUDA graphs ms (x) | compile reduce-overhead ms (x) " if graphs else "")
              +
              "| forge device time vs eager "
-             "| device time in forge kernels (in regions forge decided: kernel or torch op) "
+             "| device time in forge kernels (in regions forge decided kernel or torch op; in every region forge "
+             "decided, eager included) "
              "| forge kernels / regions | first call s: forge / compile / max-autotune |",
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if graphs else "")]
     for r in d["rows"]:
@@ -55,7 +56,10 @@ def table(path: Path) -> str:
                 dv += f"; {mode} {dev[f'{mode}_ms']:.2f} ms ({dev['eager_ms'] / dev[f'{mode}_ms']:.2f}x)"
         share = f"{dev['forge_kernel_share']:.1%}" if dev and dev.get("forge_kernel_share") is not None else "—"
         if dev and dev.get("forge_region_share") is not None:  # kernel + torch-op regions (issue 14's target)
-            share += f" ({dev['forge_region_share']:.1%})"
+            share += f" ({dev['forge_region_share']:.1%}"
+            if dev.get("decided_share") is not None:  # runs since f: every region forge decided, eager included
+                share += f"; {dev['decided_share']:.1%}"
+            share += ")"
         kr = f"{f.get('kernels')} / {f.get('regions')}" if "kernels" in f else "—"
         fc = " / ".join(str(cs.get(m, {}).get("first_call_s", "—")) for m in ("forge", "compile", "max-autotune"))
         peers = " | ".join(_c(cs.get(m)) for m in ("compile", "max-autotune"))

@@ -120,7 +120,7 @@ class Backend:
 
     def __init__(self, *, miss: str = "search", rest: str = "eager", manifest: str | os.PathLike | None = None,
                  budget: int = 50, cache: str | os.PathLike | None = None, interpreter: bool | None = None,
-                 cudagraphs: bool = False):
+                 cudagraphs: bool = False, profile_regions: bool = False):
         self.miss = _check("miss", miss, MISS)
         self.rest = _check("rest", rest, REST)
         if not isinstance(cudagraphs, bool):
@@ -128,6 +128,13 @@ class Backend:
         # each CUDA graph of the backend replays whole (forge/cudagraph.py): one launch per call
         self.cudagraphs = cudagraphs
         self.graphed: list[tuple[int, Any]] = []  # (graph index, its forge.cudagraph.GraphedRun)
+        if not isinstance(profile_regions, bool):
+            raise UsageError(f"forge backend: profile_regions={profile_regions!r}: expected True or False")
+        # For measuring, not for speed: every region with a cached decision runs inside a profiler range
+        # named PROFILE_PREFIX + its decision + "::" + op (regions decided eager as their own sub-module), so a
+        # torch.profiler trace tells how much device time the regions forge decided hold (bench/models.py).
+        # Triton's C launcher is not tied to such ranges: forge's kernels are counted by name (kernel_names).
+        self.profile_regions = profile_regions
         self.manifest = Path(manifest or DEFAULT_MANIFEST)
         self.budget = budget
         self.cache = Path(cache) if cache else None
@@ -214,6 +221,8 @@ class Backend:
             self.regions.extend(reports)
             self.unmatched.extend((index, u.node.name, u.call, u.reason) for u in unmatched)
             self.kernel_calls.extend(call for _, call in swaps)
+        if self.profile_regions:  # after resolving: what a region reads is unchanged by the ranges
+            swaps = _profiled(g, regions, reports, swaps, eager_too=self.rest == "eager")
         run_gm = _swapped(gm, swaps, inductor=self.rest == "inductor") if swaps else gm
         run = self._rest(run_gm, args)
         if self.cudagraphs and device == "cuda":
@@ -353,6 +362,50 @@ class _RegionCall:
         if kernel and self.kernel_stacked and not self.extra:
             return out[0].clone()  # the custom op's output must not be a view (of the stacked buffer)
         return out
+
+
+PROFILE_PREFIX = "forge_region::"
+EAGER_DECIDED = "cached decision is eager"  # shim.resolve's reason for a cached eager decision
+
+
+class _Ranged:
+    """A swapped call run inside a profiler range (Backend(profile_regions=True)); the call's own attributes
+    (binding, calls, ...) stay reachable."""
+
+    def __init__(self, call, label: str):
+        self.call, self.label = call, label
+        self.__name__ = getattr(call, "__name__", "forge_region")
+
+    def __getattr__(self, name):
+        return getattr(self.call, name)
+
+    def __call__(self, *leaves):
+        from torch.profiler import record_function
+
+        with record_function(self.label):
+            return self.call(*leaves)
+
+    def stacked(self, *leaves):
+        from torch.profiler import record_function
+
+        with record_function(self.label):
+            return self.call.stacked(*leaves)
+
+
+def _profiled(g, regions: list, reports: list, swaps: list, eager_too: bool) -> list:
+    """The swaps with every call inside a profiler range, plus (eager_too: not under rest="inductor", whose
+    custom op takes forge's calls only) each region decided eager (cached) as its own sub-module in one: in
+    graph order, as _swapped takes them."""
+    by_root = {r.root: (r, call) for r, call in swaps}
+    out = []
+    for r, report in zip(regions, reports, strict=True):
+        if r.root in by_root:
+            out.append((r, _Ranged(by_root[r.root][1], f"{PROFILE_PREFIX}{report.uses}::{r.op}")))
+        elif eager_too and report.reason.startswith(EAGER_DECIDED):
+            module = _region_module(g.gm, r)
+            if module is not None:
+                out.append((r, _Ranged(module, f"{PROFILE_PREFIX}eager::{r.op}")))
+    return out
 
 
 def _region_module(gm, r):

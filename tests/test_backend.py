@@ -271,3 +271,39 @@ def test_recorded_misses_are_never_lost(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert misses.record(blocked / "m.toml", "rmsnorm", (2, 8), "float16", "cuda", {}).startswith("not recorded")
+
+
+def test_profile_regions_puts_every_decided_region_in_a_named_range(tmp_path, monkeypatch):
+    """Backend(profile_regions=True), for measuring (bench/models.py): the kernel region and the region whose
+    cached decision is eager each run inside a profiler range named by decision and op; values unchanged."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from forge.cache import Cache
+    from forge.tuner import engine
+
+    db = tmp_path / "forge.db"
+    opts = engine.SearchOptions(budget=1, workers=1, timeout=120)
+    monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)
+    engine.search("rmsnorm", (4, 64), "float32", device="cpu", cache=Cache(db), attrs={"eps": 1e-6}, options=opts)
+    monkeypatch.setattr(stats, "accepts", lambda *a, **k: False)
+    engine.search("softmax", (4, 64), "float32", device="cpu", cache=Cache(db), options=opts)
+
+    def f(x, w):
+        h = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6) * w
+        return torch.softmax(h, dim=-1)
+
+    x, w = torch.randn(4, 64), torch.randn(64)
+    be = fb.Backend(miss="eager", cache=db, interpreter=True, profile_regions=True)
+    torch._dynamo.reset()
+    try:
+        g = torch.compile(f, backend=be, dynamic=False)
+        g(x, w)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = g(x, w)
+    finally:
+        torch._dynamo.reset()
+    assert [(r.op, r.uses) for r in be.explain().regions] == [("rmsnorm", "kernel"), ("softmax", "eager")]
+    names = {e.name for e in prof.events()}
+    assert {"forge_region::kernel::rmsnorm", "forge_region::eager::softmax"} <= names, sorted(names)[:40]
+    torch.testing.assert_close(got, f(x, w), rtol=1e-5, atol=1e-6)
+    assert [(c.calls, c.fallbacks) for c in be.kernel_calls] == [(1, 0)]  # the kernel ran, inside its range
