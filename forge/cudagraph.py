@@ -26,8 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# fx targets that write into their first argument (or, for setitem, into the indexed tensor)
+# fx targets that write into their first argument (or, for setitem, into the indexed tensor): names with a
+# trailing underscore (add_, copy_, index_copy_), setitem and the augmented assignments (x += y on a tensor)
 _INPLACE_EXCEPTIONS = frozenset({"requires_grad_"})
+_AUGMENTED = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                        "ilshift", "irshift", "imatmul", "setitem"})
 _VIEW_OPS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "getitem",
                        "narrow", "select", "as_strided", "t", "flatten", "unflatten", "contiguous", "view_as",
                        "expand_as", "split", "chunk", "unbind", "detach", "alias"})
@@ -52,7 +55,7 @@ def mutated_inputs(gm) -> set[int]:
         if name in _VIEW_OPS and first in root:
             root[n] = root[first]  # a view (or, conservatively, a copy) of an input: writes to it count
         written = []
-        if (name.endswith("_") and not name.startswith("_") and name not in _INPLACE_EXCEPTIONS) or name == "setitem":
+        if (name.endswith("_") and not name.startswith("_") and name not in _INPLACE_EXCEPTIONS) or name in _AUGMENTED:
             written.append(first)
         if "out" in n.kwargs:
             written.append(n.kwargs["out"])

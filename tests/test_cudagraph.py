@@ -107,10 +107,11 @@ def test_cpu_inputs_are_never_captured_with_the_real_capture():
 
 
 def test_mutated_inputs_finds_writes_through_views_setitem_and_out():
-    def f(x, y, z, u, v):
+    def f(x, y, z, u, v, t):
         x.add_(1)
         y.view(-1)[0] = 3.0
         torch.mul(z, 2, out=u)
+        t += v
         return x + v
 
     got = []
@@ -121,12 +122,14 @@ def test_mutated_inputs_finds_writes_through_views_setitem_and_out():
 
     torch._dynamo.reset()
     try:  # the graph TorchDynamo hands a backend (setitem is operator.setitem there)
-        torch.compile(f, backend=capture, fullgraph=True)(*(torch.zeros(4) for _ in range(5)))
+        torch.compile(f, backend=capture, fullgraph=True)(*(torch.zeros(4) for _ in range(6)))
     finally:
         torch._dynamo.reset()
     (gm,) = got
     assert any(n.target is operator.setitem for n in gm.graph.nodes)
-    assert mutated_inputs(gm) == {0, 1, 3}
+    # placeholders in the order Dynamo lifts them (x, y, z, u, t, v): t, written by +=, is placeholder 4
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"][4] == "l_t_"
+    assert mutated_inputs(gm) == {0, 1, 3, 4}
     assert mutated_inputs(fx.symbolic_trace(lambda x, y: (x * 2, y.sum()))) == set()
 
 
