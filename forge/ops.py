@@ -372,5 +372,18 @@ def match_order() -> list[OpFamily]:
 def get(name: str) -> OpFamily:
     ops = available()
     if name not in ops:
-        raise UsageError(f"unknown op {shown(name)}; known ops: {', '.join(sorted(ops)) or '(none)'}")
+        raise UsageError(f"unknown op {shown(name)}{_did_you_mean(name, ops)}; known ops: "
+                         f"{', '.join(sorted(ops)) or '(none)'}")
     return _load(*ops[name])
+
+
+def _did_you_mean(name: object, known) -> str:
+    """"; did you mean 'rmsnorm'?" for a near miss (rmsnrm, layernorm, RMSNorm), else ""."""
+    import difflib
+
+    if not isinstance(name, str):
+        return ""
+    folded = {k.replace("_", "").lower(): k for k in known}
+    hit = folded.get(name.replace("_", "").replace("-", "").lower())
+    close = [hit] if hit else difflib.get_close_matches(name.lower(), list(known), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""

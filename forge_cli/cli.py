@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import typer
 
+from forge._version import __version__
 from forge.errors import EXIT_CODES_HELP
-from forge_cli.commands import bench, bundle, cache, export, search, trace
+from forge_cli.commands import bench, bundle, cache, export, ops, search, trace
 
 app = typer.Typer(
     name="forge",
@@ -23,8 +24,20 @@ cache_app = typer.Typer(help="Inspect and edit the kernel cache. " + EXIT_CODES_
 app.add_typer(cache_app, name="cache")
 
 # Registration order is the order of `forge --help` and `forge cache --help`.
-for _module in (search, cache, trace, bench, export, bundle):
+for _module in (search, cache, trace, bench, export, bundle, ops):
     _module.register(app, cache_app)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"forge {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print forge's version and exit.")) -> None:
+    """Auto-tune Triton kernels for PyTorch ops: search, validate, time, cache."""
 
 
 def main() -> None:

@@ -1,0 +1,50 @@
+"""`forge --version`, `forge ops` and "did you mean" for op names (issue 17, visibility)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from forge import ops
+from forge._version import __version__
+from forge.errors import UsageError
+from forge_cli import cli
+
+runner = CliRunner()
+
+
+def test_version():
+    res = runner.invoke(cli.app, ["--version"])
+    assert res.exit_code == 0 and res.output.strip() == f"forge {__version__}"
+
+
+def test_ops_lists_every_family_with_attrs_and_variants():
+    res = runner.invoke(cli.app, ["ops", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["version"] == 1
+    by = {r["op"]: r for r in doc["ops"]}
+    assert set(by) == set(ops.available())
+    assert by["rmsnorm"]["attrs"]["eps"] == 1e-6 and "form" in by["rmsnorm"]["optional_attrs"]
+    assert set(by["sdpa"]["variants"]) == {"flash", "flash_split", "split_kv"}
+    assert all(r["variants"] and r["summary"] for r in doc["ops"])
+    table = runner.invoke(cli.app, ["ops"])
+    assert table.exit_code == 0 and "layer_norm" in table.output and "split_kv" in table.output
+
+
+@pytest.mark.parametrize(("typed", "meant"), [("rmsnrm", "rmsnorm"), ("layernorm", "layer_norm"),
+                                              ("RMSNorm", "rmsnorm"), ("cross-entropy", "cross_entropy"),
+                                              ("softmx", "softmax")])
+def test_did_you_mean(typed, meant):
+    with pytest.raises(UsageError, match=f"did you mean '{meant}'"):
+        ops.get(typed)
+    res = runner.invoke(cli.app, ["search", typed, "--shape", "4x8", "--device", "cpu"])
+    assert res.exit_code == 2 and f"did you mean '{meant}'" in res.output
+
+
+def test_no_suggestion_for_something_else():
+    with pytest.raises(UsageError) as exc:
+        ops.get("convolution")
+    assert "did you mean" not in str(exc.value)
