@@ -40,6 +40,9 @@ def _isolated_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_LOCK_DIR", str(tmp_path / "locks"))
     monkeypatch.delenv("FORGE_OPS_PATH", raising=False)
     monkeypatch.setenv("FORGE_TORCH_OPS", "0")  # see above: a test that changed it does not leak it
+    for name in ("FORGE_WEBHOOK_COMPLETION", "FORGE_WEBHOOK_ERRORS", "DISCORD_WEBHOOK_COMPLETION",
+                 "DISCORD_WEBHOOK_ERRORS"):
+        monkeypatch.delenv(name, raising=False)  # a developer's webhook never hears from the test suite
 
 
 @pytest.fixture

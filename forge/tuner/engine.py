@@ -30,7 +30,7 @@ from forge.errors import EnvironmentProblem, UsageError
 from forge.loader import source_sha256, write_source
 from forge.opkit import Candidate
 from forge.spec import KernelSpec
-from forge.tuner import memory, stats, strategy
+from forge.tuner import memory, notify, stats, strategy
 from forge.tuner.lock import device_lock
 from forge.tuner.pool import Pool, capped_size, default_size
 from forge.tuner.status import Status
@@ -306,8 +306,13 @@ def search(op_name: str, shape: tuple[int, ...], dtype: str, *, device: str | No
                 return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
             note = refused
             cache.delete_keys([loc.key])  # never served again, even if this search stores nothing
-        report = _search_locked(op, spec, env, loc.key, backend, cache, opts, emit, t0, pools, gpu)
+        try:
+            report = _search_locked(op, spec, env, loc.key, backend, cache, opts, emit, t0, pools, gpu)
+        except Exception as exc:  # noqa: BLE001 - re-raised: the errors webhook hears of it first
+            notify.search_failed(op.name, spec.shape_str, spec.dtype, exc, time.monotonic() - t0)
+            raise
         report.note = note
+        notify.search_done(report)
         return report
 
 
