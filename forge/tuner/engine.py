@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge import codegen, fused
+from forge import codegen, fused, log
 from forge import key as keys
 from forge._version import __version__
 from forge.cache import WINNING, Cache, Entry
@@ -291,6 +291,8 @@ def search(op_name: str, shape: tuple[int, ...], dtype: str, *, device: str | No
     note = None
     if not opts.force and (entry := cache.get(loc.key)) is not None:
         if (refused := _refused_hit(entry, emit)) is None:
+            log.logger.debug("%s %s %s key %s: cache hit, %s", op.name, spec.shape_str, spec.dtype, loc.key[:12],
+                             entry.decision)
             return _report_from_entry(entry, spec, cache, time.monotonic() - t0)
         note = refused
     check_fits(spec, backend, gpu)
@@ -312,8 +314,31 @@ def search(op_name: str, shape: tuple[int, ...], dtype: str, *, device: str | No
             notify.search_failed(op.name, spec.shape_str, spec.dtype, exc, time.monotonic() - t0)
             raise
         report.note = note
+        _log_decision(report)
         notify.search_done(report)
         return report
+
+
+def _log_decision(report: SearchReport) -> None:
+    """FORGE_LOG=info: the decision in one line; debug: every candidate; FORGE_SEARCH_LOG: the CSV."""
+    spec, w = report.spec, report.winner
+    best = stats.Quantiles.from_dict(w["quantiles"]).p50 if w else None
+    log.logger.info(
+        "%s %s %s key %s: %s%s in %.1f s (%d candidates; eager p50 %s us%s)", report.op, spec.shape_str, spec.dtype,
+        report.key[:12], report.decision,
+        f" {w['variant']}({', '.join(f'{k}={v}' for k, v in sorted((w['params'] or {}).items()))})" if w else "",
+        report.seconds, len(report.candidates), f"{report.baseline.p50:.2f}" if report.baseline else "?",
+        f", winner p50 {best:.2f} us, {report.speedup:.2f}x" if best is not None and report.speedup else "")
+    rows = []
+    for c in report.candidates:
+        q = c.get("final") or c.get("screen")
+        row = {"variant": c.get("variant"), "params": c.get("params"), "status": c.get("status"),
+               "p50_us": round(q["p50"], 3) if q else None, "reason": c.get("reason")}
+        rows.append(row)
+        log.logger.debug("  %s %s: %s%s", row["variant"], row["params"], row["status"],
+                         f" p50 {row['p50_us']} us" if q else f" ({row['reason']})" if row["reason"] else "")
+    if path := os.environ.get("FORGE_SEARCH_LOG"):
+        log.candidates_csv(path, report.key, report.op, spec.shape_str, spec.dtype, rows)
 
 
 def _refused_hit(entry: Entry, emit: Events | None) -> str | None:
