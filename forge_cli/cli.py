@@ -11,7 +11,7 @@ import typer
 
 from forge._version import __version__
 from forge.errors import EXIT_CODES_HELP
-from forge_cli.commands import bench, bundle, cache, export, ops, search, trace
+from forge_cli.commands import bench, bundle, cache, export, ops, replay, search, trace
 
 app = typer.Typer(
     name="forge",
@@ -24,7 +24,7 @@ cache_app = typer.Typer(help="Inspect and edit the kernel cache. " + EXIT_CODES_
 app.add_typer(cache_app, name="cache")
 
 # Registration order is the order of `forge --help` and `forge cache --help`.
-for _module in (search, cache, trace, bench, export, bundle, ops):
+for _module in (search, cache, trace, bench, export, bundle, ops, replay):
     _module.register(app, cache_app)
 
 

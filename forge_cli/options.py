@@ -37,7 +37,8 @@ ManifestOpt = Annotated[Path | None, typer.Option("--manifest", help="Tune every
 
 # -- search settings (command line > FORGE_* environment > manifest > built-in) -----------------------
 BudgetOpt = Annotated[int | None, typer.Option("--budget", help="Maximum number of candidates (default: 50).")]
-StrategyOpt = Annotated[str | None, typer.Option("--strategy", help="grid or random (default: grid).")]
+StrategyOpt = Annotated[str | None, typer.Option("--strategy", help="grid, random or evolve (default: grid; "
+                                                                    "forge replay compares them).")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for --strategy random and the test inputs "
                                                             "(default: 0).")]
 TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Seconds per candidate before its worker is "

@@ -104,6 +104,90 @@ class Random:
         return out
 
 
+def score(outcome: Any) -> float | None:
+    """An outcome's time (lower is better), or None for a candidate that failed or was not timed: the engine's
+    CandidateResult (its final or screening p50 where its status is ok), or replay's float."""
+    if outcome is None:
+        return None
+    if isinstance(outcome, (int, float)):
+        return float(outcome)
+    if str(getattr(outcome, "status", "ok")) not in ("ok", "Status.OK"):
+        return None
+    q = getattr(outcome, "best_quantiles", None)
+    return q.p50 if q is not None else None
+
+
+def _neighbours(space: Space, cand: Candidate) -> list[Candidate]:
+    """The valid points one step away from `cand`: one parameter moved to the next or previous choice."""
+    grid = space.variants[cand.variant]
+    out = []
+    for name, value in cand.params:
+        choices = grid[name]
+        if value not in choices:
+            continue
+        i = choices.index(value)
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(choices):
+                new = Candidate.make(cand.variant, **{**cand.p, name: choices[j]})
+                if space.valid(new):
+                    out.append(new)
+    return out
+
+
+@register("evolve")
+class Evolve:
+    """Evolutionary: a first generation spread like grid's (every variant, both ends of each range), then
+    generations bred from the fastest so far: each parent's one-step neighbours (one parameter moved to the
+    next or previous choice: the landscapes of block sizes and warps are smooth), crossovers of two parents of
+    one variant, and a few random valid points so no variant is given up early. Seeded: replayable."""
+
+    FIRST = 16  # first generation (or the budget, if smaller)
+    GENERATION = 8
+    PARENTS = 4
+
+    def __init__(self, seed: int = 0, first: Candidate | None = None):
+        self.rng = _random.Random(seed)
+        self.first = first
+        self.started = False
+
+    def propose(self, space: Space, history: Mapping[Candidate, Any], n: int) -> list[Candidate]:
+        if n <= 0:
+            return []
+        if not self.started:
+            self.started = True
+            return Grid(self.first).propose(space, history, min(n, self.FIRST))
+        seen = set(history)
+        timed = sorted(((t, c) for c, o in history.items() if (t := score(o)) is not None),
+                       key=lambda tc: (tc[0], tc[1].key))
+        parents = [c for _, c in timed[:self.PARENTS]]
+        want = min(n, self.GENERATION)
+        out: list[Candidate] = []
+
+        def add(c: Candidate) -> None:
+            if c not in seen and c not in out and len(out) < want:
+                out.append(c)
+
+        for p in parents:  # the best first: its neighbours before the others'
+            nb = _neighbours(space, p)
+            self.rng.shuffle(nb)
+            for c in nb[:3]:
+                add(c)
+        for _ in range(4):  # crossovers of two parents of one variant
+            pair = [p for p in parents if p.variant == (parents[0].variant if parents else None)]
+            if len(pair) < 2:
+                break
+            a, b = self.rng.sample(pair, 2)
+            child = Candidate.make(a.variant, **{k: (a.p if self.rng.random() < 0.5 else b.p)[k] for k in a.p})
+            if space.valid(child):
+                add(child)
+        if len(out) < want:  # explore: random valid points (every variant keeps a chance)
+            pool = [c for c in space.all_points() if c not in seen and c not in out]
+            self.rng.shuffle(pool)
+            for c in pool[:want - len(out)]:
+                add(c)
+        return out
+
+
 def names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
