@@ -36,7 +36,10 @@ ManifestOpt = Annotated[Path | None, typer.Option("--manifest", help="Tune every
                                                                      "(see docs/manifest.md).")]
 
 # -- search settings (command line > FORGE_* environment > manifest > built-in) -----------------------
-BudgetOpt = Annotated[int | None, typer.Option("--budget", help="Maximum number of candidates (default: 50).")]
+BudgetOpt = Annotated[int | None, typer.Option("--budget", help="Maximum number of candidates (default: the "
+                                                                "effort's: 50).")]
+EffortOpt = Annotated[str | None, typer.Option("--effort", help="quick (12 candidates), default (50) or full (every "
+                                                                "valid point); an explicit --budget wins.")]
 StrategyOpt = Annotated[str | None, typer.Option("--strategy", help="grid, random or evolve (default: grid; "
                                                                     "forge replay compares them).")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for --strategy random and the test inputs "

@@ -22,14 +22,16 @@ from forge.tuner import engine
 
 
 def search(op: str | KernelSpec, shape: tuple[int, ...] | None = None, dtype: str = "float16", *,
-           device: str | None = None, budget: int = 50, strategy: str = "grid", cache: Cache | str | os.PathLike
-           | None = None, force: bool = False, seed: int = 0, timeout: float = 120.0, workers: int | None = None,
-           events: engine.Events | None = None, **attrs: Any) -> engine.SearchReport:
+           device: str | None = None, budget: int | None = None, strategy: str = "grid",
+           cache: Cache | str | os.PathLike | None = None, force: bool = False, seed: int = 0, timeout: float = 120.0,
+           workers: int | None = None, events: engine.Events | None = None, effort: str = "default",
+           **attrs: Any) -> engine.SearchReport:
     """Search (or find in the cache) the kernel decision for one op at one shape.
 
     op: an op family name ("rmsnorm") with `shape` (and `dtype`, attributes as keywords: eps=1e-5), or
     a `forge.KernelSpec` (then shape, dtype and attributes come from it). device: "cuda", "cpu" (the
-    Triton interpreter) or None (CUDA if available; for a KernelSpec, its tensors' device). cache: a
+    Triton interpreter) or None (CUDA if available; for a KernelSpec, its tensors' device). budget: the
+    candidates (default: the effort's, "quick" 12, "default" 50, "full" every valid point). cache: a
     `forge.cache.Cache`, a path, or None for the default cache. Returns the SearchReport: decision
     ("kernel", "eager" or "none"), winner (variant, params, quantiles), baseline, candidates, key.
     Raises forge.errors.ForgeError subclasses (UsageError, EnvironmentProblem) for what the CLI reports
@@ -43,8 +45,12 @@ def search(op: str | KernelSpec, shape: tuple[int, ...] | None = None, dtype: st
         if shape is None:
             raise UsageError(f"forge.search({op!r}): give the shape, e.g. (2048, 4096)")
         op_name = op
-    options = engine.SearchOptions(budget=budget, strategy=strategy, seed=seed, force=force, timeout=timeout,
-                                   workers=workers)
+    from forge.tuner.manifest import EFFORT_BUDGET
+
+    if effort not in EFFORT_BUDGET:
+        raise UsageError(f"effort={effort!r}: expected one of {', '.join(EFFORT_BUDGET)}")
+    options = engine.SearchOptions(budget=EFFORT_BUDGET[effort] if budget is None else budget, strategy=strategy,
+                                   seed=seed, force=force, timeout=timeout, workers=workers)
     db, own = _open(cache)
     try:
         return engine.search(op_name, tuple(shape), dtype, device=device, cache=db, attrs=dict(attrs),

@@ -50,13 +50,18 @@ from forge.spec import DTYPES, canonical_json, parse_shape
 from forge.tuner import strategy
 
 BUILTIN = {"device": None, "dtype": "float16", "budget": 50, "strategy": "grid", "seed": 0, "timeout": 120.0,
-           "workers": None, "time_budget": None}
+           "workers": None, "time_budget": None, "effort": "default"}
 ENV = {"device": "FORGE_DEVICE", "dtype": "FORGE_DTYPE", "budget": "FORGE_BUDGET", "strategy": "FORGE_STRATEGY",
        "seed": "FORGE_SEED", "timeout": "FORGE_TIMEOUT", "workers": "FORGE_WORKERS",
-       "time_budget": "FORGE_TIME_BUDGET"}
+       "time_budget": "FORGE_TIME_BUDGET", "effort": "FORGE_EFFORT"}
+# Effort presets (as Helion's none/quick/full): the candidate budget a search gets where no layer names a
+# budget (an explicit budget, at any precedence, wins). quick: a dozen candidates (grid still sees every
+# variant); default: 50 (grid's measured quality on the H200: 1.000 on the norm/CE/GELU spaces of 56-127
+# points, 0.985 on sdpa's 180, 0.925 on matmul's 748); full: every valid point (exhaustive).
+EFFORT_BUDGET = {"quick": 12, "default": 50, "full": 10**9}
 # One pool, one cache and one wall-clock budget per run: [defaults] only.
 RUN_WIDE = ("device", "workers", "cache", "time_budget")
-PER_ENTRY = ("dtype", "budget", "strategy", "seed", "timeout")
+PER_ENTRY = ("dtype", "budget", "strategy", "seed", "timeout", "effort")
 ENTRY_FIELDS = ("op", "shape", "shapes", "dtypes", "share", *PER_ENTRY)
 # The entries' shares may add up to a little over 1 from rounding (forge trace writes 6 digits).
 SHARE_SUM_SLACK = 1e-3
@@ -112,7 +117,7 @@ def _is_int(v: Any) -> bool:
 
 def check_setting(name: str, v: Any, where: str | None) -> Any:
     """v if it is a valid value of setting `name`, else ManifestError; where=None: a command-line option."""
-    enumerated = name in ("device", "dtype", "strategy")
+    enumerated = name in ("device", "dtype", "strategy", "effort")
 
     def bad(expected: str) -> ManifestError:
         what = (f"unknown {name} {shown(v)}; expected {expected}" if enumerated
@@ -129,6 +134,9 @@ def check_setting(name: str, v: Any, where: str | None) -> Any:
     elif name == "strategy":
         if v not in strategy.names():
             raise bad(" or ".join(f"'{n}'" for n in strategy.names()))
+    elif name == "effort":
+        if v not in EFFORT_BUDGET:
+            raise bad(" or ".join(f"'{n}'" for n in EFFORT_BUDGET))
     elif name in ("budget", "workers"):
         if not _is_int(v) or v < 1:
             raise bad("an integer >= 1")
@@ -176,7 +184,8 @@ def _from_env(name: str, env: Mapping[str, str]) -> Any:
 
 
 def resolve(name: str, cli: Mapping[str, Any], env: Mapping[str, str], *layers: Mapping[str, Any]) -> Any:
-    """The value of one setting: CLI > environment > layers in order (entry, [defaults]) > built-in."""
+    """The value of one setting: CLI > environment > layers in order (entry, [defaults]) > built-in; the
+    budget's built-in is the resolved effort's (EFFORT_BUDGET)."""
     if cli.get(name) is not None:
         return cli[name]
     if (v := _from_env(name, env)) is not None:
@@ -184,6 +193,8 @@ def resolve(name: str, cli: Mapping[str, Any], env: Mapping[str, str], *layers: 
     for layer in layers:
         if layer.get(name) is not None:
             return layer[name]
+    if name == "budget":
+        return EFFORT_BUDGET[resolve("effort", cli, env, *layers)]
     return BUILTIN[name]
 
 

@@ -25,6 +25,7 @@ from forge_cli.options import (
     CacheOpt,
     DeviceOpt,
     DtypeOpt,
+    EffortOpt,
     JsonOpt,
     ManifestOpt,
     SeedOpt,
@@ -39,7 +40,7 @@ from forge_cli.options import (
 )
 from forge_cli.render import age, err, fail, fmt_params, fmt_speedup, fmt_us, lock_wait, open_cache, out, status_cell
 
-SETTINGS = ("dtype", "budget", "strategy", "seed", "timeout", "device", "workers", "time_budget")
+SETTINGS = ("dtype", "budget", "strategy", "seed", "timeout", "device", "workers", "time_budget", "effort")
 
 
 # -- progress -------------------------------------------------------------------------------------------------
@@ -224,6 +225,7 @@ def search(
     attr: AttrOpt = None,
     top: TopOpt = 10,
     time_budget: TimeBudgetOpt = None,
+    effort: EffortOpt = None,
     devices: DevicesOpt = None,
     executor: ExecutorOpt = "local",
     address: AddressOpt = None,
@@ -231,7 +233,7 @@ def search(
     """Search for the fastest correct kernel for OP at --shape (or for every entry of --manifest, largest
     share first), against eager PyTorch. Settings: command line > FORGE_* environment > manifest > built-in."""
     cli = {"dtype": dtype, "budget": budget, "strategy": strategy, "seed": seed, "timeout": timeout,
-           "device": device, "workers": workers, "cache": cache, "time_budget": time_budget}
+           "device": device, "workers": workers, "cache": cache, "time_budget": time_budget, "effort": effort}
     try:
         check_settings(cli, SETTINGS, name_flags=False)
         if manifest is not None:
