@@ -24,7 +24,7 @@ def tables():
     return [replay.load(p) for p in TABLES]
 
 
-@pytest.mark.parametrize("name", strategies.names())
+@pytest.mark.parametrize("name", strategies.registered())
 @pytest.mark.parametrize("fraction", [0.05, 0.25, 1.0])
 def test_every_strategy_stays_in_the_space_and_the_budget_and_is_repeatable(tables, name, fraction):
     for t in tables:

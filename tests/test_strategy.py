@@ -298,7 +298,7 @@ def test_the_registry_holds_the_built_in_strategies():
         strategy.register("grid")(Grid)
 
 
-@pytest.mark.parametrize("name", strategy.names())
+@pytest.mark.parametrize("name", strategy.registered())
 @pytest.mark.parametrize("space_name", sorted(CONTRACT_SPACES))
 @pytest.mark.parametrize("budget", [1, 3, 10, 1000])
 @pytest.mark.parametrize("batch", [1, 7, 1000])

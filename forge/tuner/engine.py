@@ -72,6 +72,11 @@ class SearchOptions:
     # torch's fused op (forge/fused.py) as a candidate where the spec's reference is not already that call;
     # FORGE_TORCH_OPS=0 leaves it out (decisions are then kernel or eager only, e.g. to export kernels).
     torch_op: bool = field(default_factory=lambda: os.environ.get("FORGE_TORCH_OPS", "1") != "0")
+    # strategy "llm" (forge/tuner/llm.py): the proposer (a callable doc -> answer, e.g. llm.make_client(...)),
+    # the rounds and candidates per round (the budget still caps the total)
+    llm: Any = None
+    rounds: int = 5
+    per_round: int = 8
 
 
 @dataclass
@@ -126,6 +131,7 @@ class SearchReport:
     memory: dict[str, Any] | None = None
     # Why the search stopped before its budget (its deadline passed), None if it did not.
     cut_short: str | None = None
+    llm: dict[str, Any] | None = None  # strategy llm: forge/tuner/llm.py LLMStrategy.usage()
 
     @property
     def backend(self) -> str:
@@ -158,6 +164,7 @@ class SearchReport:
             "note": self.note,
             "memory": self.memory,
             "cut_short": self.cut_short,
+            **({"llm": self.llm} if self.llm is not None else {}),
         }
 
 
@@ -417,7 +424,17 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                    t0: float, pools: Pools | None = None, gpu: int | None = None) -> SearchReport:
     space = op.module.space(spec)
     first = op.module.default(spec)
-    strat = strategy.make(opts.strategy, opts.seed, first if first in space else None)
+    if opts.strategy == "llm":
+        from forge.tuner import llm
+
+        if opts.llm is None:
+            raise UsageError("strategy llm needs a proposer: SearchOptions(llm=forge.tuner.llm.make_client(...)), "
+                             "or forge search --strategy llm [--llm-command CMD]")
+        strat = llm.LLMStrategy(opts.llm, op.name, spec.to_dict(), opts.rounds, opts.per_round,
+                                hardware={k: env.get(k) for k in ("gpu", "cc", "sm_count", "backend")},
+                                first=first if first in space else None)
+    else:
+        strat = strategy.make(opts.strategy, opts.seed, first if first in space else None)
     sampling = SAMPLING[backend]
     src_dir = Path(cache.path).parent / "kernels-src"
     results: dict[Candidate, CandidateResult] = {}
@@ -592,6 +609,8 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
     if winner is not None:
         report.winner = {"variant": winner.candidate.variant, "params": winner.candidate.p,
                          "quantiles": winner.final.to_dict()}
+    if hasattr(strat, "usage"):  # the LLM proposer: tokens, rounds, rejected proposals, failed rounds
+        report.llm = strat.usage()
     if decision in WINNING or (decision == "eager" and cut_short is None):
         cache.put(Entry(
             key=key, op=op.name, spec=spec.to_dict(), env=env, decision=decision,

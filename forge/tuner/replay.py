@@ -111,7 +111,7 @@ def evaluate(tables: list[Table], names: tuple[str, ...] | None = None, fraction
              seeds: range = range(5)) -> dict[str, dict[str, Any]]:
     """{strategy: {"per_table": {table: {fraction: quality}}, "mean": {fraction: mean quality}}}."""
     out: dict[str, dict[str, Any]] = {}
-    for name in names or strategies.names():
+    for name in names or strategies.registered():
         per = {t.name: {f: quality(t, name, f, seeds) for f in fractions} for t in tables}
         out[name] = {"per_table": per, "mean": {f: statistics.fmean(p[f] for p in per.values()) for f in fractions}}
     return out

@@ -117,6 +117,14 @@ def score(outcome: Any) -> float | None:
     return q.p50 if q is not None else None
 
 
+def score_dict(c: dict[str, Any]) -> float | None:
+    """score() of a candidate as a search report lists it (its final p50, else its screening p50)."""
+    if c.get("status") != "ok":
+        return None
+    q = c.get("final") or c.get("screen")
+    return q["p50"] if q else None
+
+
 def _neighbours(space: Space, cand: Candidate) -> list[Candidate]:
     """The valid points one step away from `cand`: one parameter moved to the next or previous choice."""
     grid = space.variants[cand.variant]
@@ -188,7 +196,17 @@ class Evolve:
         return out
 
 
+# Strategies the engine builds itself (they need more than a seed: the op, its spec, a proposer)
+ENGINE_BUILT = ("llm",)
+
+
 def names() -> tuple[str, ...]:
+    """Every strategy `--strategy` takes; make() builds the registered ones (replay runs those)."""
+    return (*REGISTRY, *ENGINE_BUILT)
+
+
+def registered() -> tuple[str, ...]:
+    """The strategies make() builds from a seed alone (replay and the strategy tests run every one)."""
     return tuple(REGISTRY)
 
 

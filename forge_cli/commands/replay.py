@@ -27,10 +27,10 @@ def replay_cmd(tables: TablesArg, strategy: StrategiesOpt = None, seeds: SeedsOp
     """Replay search strategies on recorded exhaustive searches, without a GPU: the share of the exhaustive
     best each finds with 10%, 25% and 50% of the space as its budget."""
     try:
-        names = tuple(strategy or strategies.names())
-        unknown = [n for n in names if n not in strategies.names()]
+        names = tuple(strategy or strategies.registered())
+        unknown = [n for n in names if n not in strategies.registered()]
         if unknown:
-            raise UsageError(f"unknown strategy {unknown[0]!r}; expected one of {', '.join(strategies.names())}")
+            raise UsageError(f"unknown strategy {unknown[0]!r}; expected one of {', '.join(strategies.registered())}")
         if seeds < 1:
             raise UsageError("--seeds must be at least 1")
         loaded = []

@@ -207,6 +207,16 @@ AddressOpt = Annotated[str | None, typer.Option("--address", help="With --execut
                                                                   "(default: start a local Ray).")]
 
 
+RoundsOpt = Annotated[int | None, typer.Option("--rounds", help="--strategy llm: proposal rounds (default 5); the "
+                                                                "budget is shared over them.")]
+LlmCommandOpt = Annotated[str | None, typer.Option(
+    "--llm-command", help="--strategy llm: a program speaking forge's JSON protocol on stdin/stdout (docs/search.md);"
+                          " default: the Anthropic SDK.")]
+LlmModelOpt = Annotated[str | None, typer.Option("--llm-model", help="--strategy llm with the Anthropic SDK: the model "
+                                                                     "(default: FORGE_LLM_MODEL, else a current Claude "
+                                                                     "model).")]
+
+
 def search(
     op: OpArg = None,
     shape: ShapeOpt = None,
@@ -229,6 +239,9 @@ def search(
     devices: DevicesOpt = None,
     executor: ExecutorOpt = "local",
     address: AddressOpt = None,
+    rounds: RoundsOpt = None,
+    llm_command: LlmCommandOpt = None,
+    llm_model: LlmModelOpt = None,
 ) -> None:
     """Search for the fastest correct kernel for OP at --shape (or for every entry of --manifest, largest
     share first), against eager PyTorch. Settings: command line > FORGE_* environment > manifest > built-in."""
@@ -236,9 +249,14 @@ def search(
            "device": device, "workers": workers, "cache": cache, "time_budget": time_budget, "effort": effort}
     try:
         check_settings(cli, SETTINGS, name_flags=False)
+        if rounds is not None and rounds < 1:
+            raise UsageError("--rounds must be at least 1")
         if manifest is not None:
             if op is not None or shape is not None or attr:
                 raise UsageError("--manifest replaces OP, --shape and --attr; give either a manifest or one op")
+            if strategy == "llm" or rounds is not None or llm_command or llm_model:
+                raise UsageError("--strategy llm (and --rounds, --llm-command, --llm-model) is for one op: "
+                                 "forge search OP --shape ...")
             _search_manifest(manifest, shard, cli, force, json_out, devices, executor, address)
             return
         for flag, value in (("--shard", shard), ("--devices", devices), ("--address", address),
@@ -250,8 +268,17 @@ def search(
         shape_t = parse_shape_opt(shape)
         r = {name: manifest_mod.resolve(name, cli, os.environ) for name in SETTINGS}
         deadline = time.monotonic() + r["time_budget"] if r["time_budget"] is not None else None
+        llm_opts: dict = {}
+        if r["strategy"] == "llm":
+            from forge.tuner import llm
+
+            n_rounds = rounds or 5
+            llm_opts = {"llm": llm.make_client(command=llm_command, model=llm_model), "rounds": n_rounds,
+                        "per_round": max(1, -(-(r["budget"] - 1) // n_rounds))}
+        elif rounds is not None or llm_command or llm_model:
+            raise UsageError("--rounds, --llm-command and --llm-model need --strategy llm")
         options = engine.SearchOptions(budget=r["budget"], strategy=r["strategy"], seed=r["seed"], force=force,
-                                       timeout=r["timeout"], workers=r["workers"], deadline=deadline)
+                                       timeout=r["timeout"], workers=r["workers"], deadline=deadline, **llm_opts)
         attrs = parse_attrs(attr or [])
         db = open_cache(cache)
         with _progress(disable=json_out or not err.is_terminal) as progress:
