@@ -30,7 +30,7 @@ from forge.errors import EnvironmentProblem, UsageError
 from forge.loader import source_sha256, write_source
 from forge.opkit import Candidate
 from forge.spec import KernelSpec
-from forge.tuner import memory, notify, stats, strategy
+from forge.tuner import memory, notify, pareto, stats, strategy
 from forge.tuner.lock import device_lock
 from forge.tuner.pool import Pool, capped_size, default_size
 from forge.tuner.status import Status
@@ -77,6 +77,7 @@ class SearchOptions:
     llm: Any = None
     rounds: int = 5
     per_round: int = 8
+    pareto_lambda: float = 0.1  # forge/tuner/pareto.py DEFAULT_LAMBDA: the report's speed/cost recommendation
 
 
 @dataclass
@@ -89,6 +90,8 @@ class CandidateResult:
     screen: stats.Quantiles | None = None
     final: stats.Quantiles | None = None
     label: str | None = None  # the torch-op candidate: which torch call it is (forge/fused.py)
+    gpu_seconds: float = 0.0  # its workers' time compiling, validating and timing it (forge/tuner/pareto.py)
+    tokens: int = 0  # an LLM proposer's tokens for it (its round's, shared over the round's candidates)
 
     @property
     def best_quantiles(self) -> stats.Quantiles | None:
@@ -105,6 +108,7 @@ class CandidateResult:
             "screen": self.screen.to_dict() if self.screen else None,
             "final": self.final.to_dict() if self.final else None,
             "speedup": stats.speedup(q, baseline),
+            "cost": {"gpu_seconds": round(self.gpu_seconds, 4), "tokens": self.tokens},
         }
 
 
@@ -132,6 +136,7 @@ class SearchReport:
     # Why the search stopped before its budget (its deadline passed), None if it did not.
     cut_short: str | None = None
     llm: dict[str, Any] | None = None  # strategy llm: forge/tuner/llm.py LLMStrategy.usage()
+    pareto: dict[str, Any] | None = None  # speed against cost (forge/tuner/pareto.py); None on a cache hit
 
     @property
     def backend(self) -> str:
@@ -165,6 +170,7 @@ class SearchReport:
             "memory": self.memory,
             "cut_short": self.cut_short,
             **({"llm": self.llm} if self.llm is not None else {}),
+            **({"pareto": self.pareto} if self.pareto is not None else {}),
         }
 
 
@@ -473,6 +479,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
             return
         r = results[cand]
         r.status, r.reason = reply["status"], reply.get("reason")
+        r.gpu_seconds += reply.get("seconds", 0.0)
         if r.status == Status.OOM:
             r.reason = (r.reason or "out of memory") + mem.note()
         emit("validated", result=r)
@@ -508,6 +515,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
 
     def screen(r: CandidateResult) -> None:
         reply = pool.call({"cmd": "time", "paths": [r.path], "reps": sampling.screen_reps}, opts.timeout)
+        r.gpu_seconds += reply.get("seconds", 0.0)
         if _forge_oom(reply):
             raise mem.problem("timing (forge's timing sets)", reply)
         if reply["status"] == Status.OK:
@@ -599,6 +607,9 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
         timed = sum(r.screen is not None for r in results.values())
         cut_short = (f"the time budget ran out: {timed} candidate(s) timed, {len(results)} validated, "
                      f"{dropped} proposed but not started (budget {opts.budget})")
+    for cand, n_tokens in getattr(strat, "tokens_of", {}).items():  # the LLM proposer's tokens per candidate
+        if cand in results:
+            results[cand].tokens = n_tokens
     summary = [r.to_dict(baseline) for r in sorted(results.values(), key=_rank)]
     report = SearchReport(op=op.name, spec=spec, env=env, key=key, decision=decision, cache_hit=False,
                           seconds=seconds, baseline=baseline, candidates=summary, source=source,
@@ -611,6 +622,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                          "quantiles": winner.final.to_dict()}
     if hasattr(strat, "usage"):  # the LLM proposer: tokens, rounds, rejected proposals, failed rounds
         report.llm = strat.usage()
+    report.pareto = pareto.frontier(summary, opts.pareto_lambda)
     if decision in WINNING or (decision == "eager" and cut_short is None):
         cache.put(Entry(
             key=key, op=op.name, spec=spec.to_dict(), env=env, decision=decision,
@@ -664,6 +676,7 @@ def _decide(pool: Pool, results: dict[Candidate, CandidateResult], baseline, sam
     baseline = stats.Quantiles.of(reply["samples"]["eager"])
     for r in finalists:
         r.final = stats.Quantiles.of(reply["samples"][r.path])
+        r.gpu_seconds += reply.get("seconds", 0.0) / len(finalists)  # the interleaved final, shared
     best = min(finalists, key=lambda r: r.final.p50)
     accepted = stats.accepts(best.final, baseline)
     emit("decided", accepted=accepted, best=best, baseline=baseline)

@@ -171,6 +171,7 @@ class LLMStrategy:
     rejected: list[tuple[int, Any, str]] = field(default_factory=list)  # (round, proposal, why)
     failures: list[tuple[int, str]] = field(default_factory=list)  # (round, why)
     seconds: float = 0.0  # wall time in the proposer
+    tokens_of: dict[Candidate, int] = field(default_factory=dict)  # each accepted candidate's share of its round
 
     def propose(self, space: Space, history: Mapping[Candidate, Any], n: int) -> list[Candidate]:
         if n <= 0:
@@ -191,7 +192,9 @@ class LLMStrategy:
             finally:
                 self.seconds += time.monotonic() - t0
             usage = answer.get("usage") if isinstance(answer, dict) else None
+            spent = 0
             if isinstance(usage, dict):
+                spent = int(usage.get("input_tokens") or 0) + int(usage.get("output_tokens") or 0)
                 self.input_tokens += int(usage.get("input_tokens") or 0)
                 self.output_tokens += int(usage.get("output_tokens") or 0)
             proposals = answer.get("candidates") if isinstance(answer, dict) else None
@@ -207,6 +210,8 @@ class LLMStrategy:
                 elif len(out) < want:
                     out.append(cand)
             if out:
+                for c in out:
+                    self.tokens_of[c] = spent // len(out)
                 return out
         return []
 

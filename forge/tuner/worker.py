@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -258,6 +259,7 @@ def main(conn, backend: str) -> None:
             break
         if msg["cmd"] == "exit":
             break
+        started = time.monotonic()
         try:
             reply = handlers[msg["cmd"]](msg)
         except Exception as exc:  # noqa: BLE001 - forge's own failure: report it with the traceback
@@ -270,6 +272,7 @@ def main(conn, backend: str) -> None:
         if not reply.get("poisoned") and msg["cmd"] in ("validate", "time"):
             session.give_back(reply)
             reply["peak"] = session.peak()
+        reply["seconds"] = time.monotonic() - started  # this request's cost in the worker (compile included)
         conn.send(reply)
         if reply.get("poisoned"):
             sys.stdout.flush()

@@ -110,6 +110,21 @@ def candidates_table(report: engine.SearchReport, top: int) -> Table:
     return table
 
 
+def print_pareto(report: engine.SearchReport) -> None:
+    p = report.pareto
+    if not p:
+        out.print("no speed/cost frontier: no candidate was timed in this search (a cache hit does no work)")
+        return
+    table = Table(title=f"speed against cost (lambda {p['lambda']:g}; forge/tuner/pareto.py)")
+    for col in ("candidate", "speedup", "GPU s", "tokens", "score"):
+        table.add_column(col, justify="left" if col == "candidate" else "right")
+    for r in p["frontier"]:
+        mark = " [bold](recommended)[/]" if r is p["recommended"] or r == p["recommended"] else ""
+        table.add_row(f"{r['variant']}({fmt_params(r['params'])}){mark}", fmt_speedup(r["speedup"]),
+                      f"{r['cost']['gpu_seconds']:.2f}", str(r["cost"]["tokens"]), f"{r['score']:.3f}")
+    out.print(table)
+
+
 def print_report(report: engine.SearchReport, top: int) -> None:
     if report.backend == "interpreter":
         out.print("[bold yellow]Triton interpreter on the CPU: timings are host-clock interpreter timings, "
@@ -212,6 +227,11 @@ RoundsOpt = Annotated[int | None, typer.Option("--rounds", help="--strategy llm:
 LlmCommandOpt = Annotated[str | None, typer.Option(
     "--llm-command", help="--strategy llm: a program speaking forge's JSON protocol on stdin/stdout (docs/search.md);"
                           " default: the Anthropic SDK.")]
+ParetoOpt = Annotated[bool, typer.Option("--pareto", help="Also show the candidates' speed-against-cost frontier "
+                                                          "(GPU seconds, LLM tokens) and the recommendation.")]
+LambdaOpt = Annotated[float | None, typer.Option("--lambda", help="The speed/cost trade-off of the recommendation: 0 "
+                                                                  "speed only, 0.1 (default), 1 equal, above 1 cost "
+                                                                  "first.")]
 LlmModelOpt = Annotated[str | None, typer.Option("--llm-model", help="--strategy llm with the Anthropic SDK: the model "
                                                                      "(default: FORGE_LLM_MODEL, else a current Claude "
                                                                      "model).")]
@@ -242,6 +262,8 @@ def search(
     rounds: RoundsOpt = None,
     llm_command: LlmCommandOpt = None,
     llm_model: LlmModelOpt = None,
+    pareto: ParetoOpt = False,
+    lam: LambdaOpt = None,
 ) -> None:
     """Search for the fastest correct kernel for OP at --shape (or for every entry of --manifest, largest
     share first), against eager PyTorch. Settings: command line > FORGE_* environment > manifest > built-in."""
@@ -251,6 +273,8 @@ def search(
         check_settings(cli, SETTINGS, name_flags=False)
         if rounds is not None and rounds < 1:
             raise UsageError("--rounds must be at least 1")
+        if lam is not None and not lam >= 0:
+            raise UsageError(f"--lambda {lam}: expected a number >= 0")
         if manifest is not None:
             if op is not None or shape is not None or attr:
                 raise UsageError("--manifest replaces OP, --shape and --attr; give either a manifest or one op")
@@ -277,6 +301,8 @@ def search(
                         "per_round": max(1, -(-(r["budget"] - 1) // n_rounds))}
         elif rounds is not None or llm_command or llm_model:
             raise UsageError("--rounds, --llm-command and --llm-model need --strategy llm")
+        if lam is not None:
+            llm_opts["pareto_lambda"] = lam
         options = engine.SearchOptions(budget=r["budget"], strategy=r["strategy"], seed=r["seed"], force=force,
                                        timeout=r["timeout"], workers=r["workers"], deadline=deadline, **llm_opts)
         attrs = parse_attrs(attr or [])
@@ -292,6 +318,8 @@ def search(
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print_report(report, top)
+        if pareto:
+            print_pareto(report)
     if report.decision == "none" and report.cut_short is None:  # cut short by --time-budget: no failure
         raise typer.Exit(ExitCode.ALL_FAILED)
 
