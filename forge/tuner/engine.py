@@ -78,6 +78,9 @@ class SearchOptions:
     rounds: int = 5
     per_round: int = 8
     pareto_lambda: float = 0.1  # forge/tuner/pareto.py DEFAULT_LAMBDA: the report's speed/cost recommendation
+    # transfer: the winners cached for the nearest other shapes of the op (same device, dtype, attributes) are
+    # tried first (transfer_seeds); FORGE_TRANSFER=0 turns it off
+    transfer: bool = field(default_factory=lambda: os.environ.get("FORGE_TRANSFER", "1") != "0")
 
 
 @dataclass
@@ -420,6 +423,42 @@ class Admission:
             "validating at once. Free the memory other processes hold, try fewer --workers, or a smaller shape")
 
 
+TRANSFER_NEIGHBOURS = 3
+
+
+def transfer_seeds(cache: Cache, op, spec: KernelSpec, env: dict[str, Any],
+                   k: int = TRANSFER_NEIGHBOURS) -> list[Candidate]:
+    """The kernel winners cached for the nearest other shapes of this op, same dtype, attributes, device
+    fingerprint and templates (nearest: the smallest sum of |log2| differences over the problem shape's
+    dims; ties by key), to be tried first: a neighbouring shape's winner is often this one's, or close."""
+    import math
+
+    here = op.problem_shape(spec)
+    dtype, attrs = spec.dtype, {k_: v for k_, v in spec.attrs.items() if k_ != "strides"}
+    near = []
+    for e in cache.entries(op.name):
+        if e.decision != "kernel" or e.env != env or e.variant is None:
+            continue
+        try:
+            other = KernelSpec.from_dict(e.spec)
+        except (KeyError, TypeError, ValueError):
+            continue
+        there = op.problem_shape(other)
+        if (other.dtype != dtype or len(there) != len(here) or there == here
+                or {k_: v for k_, v in other.attrs.items() if k_ != "strides"} != attrs):
+            continue
+        dist = sum(abs(math.log2(max(a, 1)) - math.log2(max(b, 1))) for a, b in zip(here, there, strict=True))
+        near.append((dist, e.key, Candidate.make(e.variant, **(e.params or {}))))
+    near.sort(key=lambda t: (t[0], t[1]))
+    out: list[Candidate] = []
+    for _, _, cand in near:
+        if cand not in out:
+            out.append(cand)
+        if len(out) == k:
+            break
+    return out
+
+
 def _forge_oom(reply: dict) -> bool:
     """An out-of-memory in forge's own work (the validation inputs, the float64 oracle, eager, the timing
     sets), not in a candidate's code."""
@@ -441,6 +480,10 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                                 first=first if first in space else None)
     else:
         strat = strategy.make(opts.strategy, opts.seed, first if first in space else None)
+    if opts.transfer and (seeds := transfer_seeds(cache, op, spec, env)):
+        # after the op's default (always tried first), before the strategy's own points
+        strat = strategy.Seeded(strat, [*([first] if first in space else []), *seeds])
+        emit("transfer", seeds=len(seeds))
     sampling = SAMPLING[backend]
     src_dir = Path(cache.path).parent / "kernels-src"
     results: dict[Candidate, CandidateResult] = {}

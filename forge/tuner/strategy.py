@@ -215,3 +215,22 @@ def make(name: str, seed: int = 0, first: Candidate | None = None) -> Strategy:
     if factory is None:
         raise ValueError(f"unknown strategy {name!r}; expected {' or '.join(REGISTRY)}")
     return factory(seed=seed, first=first)
+
+
+class Seeded:
+    """Another strategy with `seeds` proposed first (those in the space and not tried yet, in order): the
+    winners cached for neighbouring shapes of the same op on the same device (engine: transfer)."""
+
+    def __init__(self, inner: Strategy, seeds: list[Candidate]):
+        self.inner, self.seeds = inner, list(seeds)
+
+    def propose(self, space: Space, history: Mapping[Candidate, Any], n: int) -> list[Candidate]:
+        out = [c for c in self.seeds if c in space and c not in history][:max(0, n)]
+        self.seeds = [c for c in self.seeds if c not in out]
+        if len(out) < n:
+            more = self.inner.propose(space, {**history, **dict.fromkeys(out)}, n - len(out))
+            out += [c for c in more if c not in out]
+        return out
+
+    def __getattr__(self, name):  # the inner strategy's report (an LLM proposer's usage, tokens)
+        return getattr(self.inner, name)
