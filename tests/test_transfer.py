@@ -20,7 +20,7 @@ def _search(db, shape, budget=2, **kw):
 def test_the_nearest_cached_winners_are_tried_right_after_the_default(tmp_path, monkeypatch):
     db = Cache(tmp_path / "f.db")
     monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)  # a kernel decision for the neighbours
-    near, far = _search(db, (8, 40)), _search(db, (256, 40))
+    near, far = _search(db, (8, 40)), _search(db, (64, 40))
     assert near.decision == far.decision == "kernel"
     op = ops.get("softmax")
     spec = op.module.make_spec((16, 40), "float32", "cpu")
