@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from forge import ops
 from forge.cache import Cache
-from forge.errors import EnvironmentProblem
+from forge.errors import EnvironmentProblem, UsageError
 from forge.opkit import Candidate
 from forge.tuner import engine, llm
 from forge_cli import cli
@@ -142,6 +142,6 @@ def test_the_anthropic_client_needs_a_key(monkeypatch):
 
 
 def test_engine_refuses_llm_without_a_proposer(tmp_path):
-    with pytest.raises(Exception, match="needs a proposer"):
+    with pytest.raises(UsageError, match="needs a proposer"):
         engine.search("softmax", (4, 40), "float32", device="cpu", cache=Cache(tmp_path / "f.db"),
                       options=engine.SearchOptions(strategy="llm", budget=3, workers=1))

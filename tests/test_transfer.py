@@ -3,8 +3,6 @@ same device (same dtype, attributes, templates), right after the op's default.""
 
 from __future__ import annotations
 
-import dataclasses
-
 from forge import ops
 from forge.cache import Cache
 from forge.opkit import Candidate
@@ -55,4 +53,3 @@ def test_seeded_proposes_seeds_first_then_the_inner_strategy_without_repeats():
     assert first == [pts[3], pts[5]]
     rest = s.propose(sp, dict.fromkeys(first), 100)
     assert pts[3] not in rest and pts[5] not in rest and len(rest) == len(pts) - 2
-    assert dataclasses.is_dataclass(Candidate)

@@ -49,7 +49,7 @@ def history_doc(history: Mapping[Candidate, Any]) -> list[dict[str, Any]]:
     out = []
     for c, o in history.items():
         t = strategies.score(o)
-        status = "ok" if t is not None else str(getattr(o, "status", "failed")).replace("Status.", "").lower()
+        status = "ok" if t is not None else str(getattr(o, "status", None) or "failed")  # StrEnum: its value
         out.append({"variant": c.variant, "params": c.p, "status": status,
                     "p50_us": round(t, 3) if t is not None else None})
     return out

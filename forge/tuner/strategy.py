@@ -111,7 +111,7 @@ def score(outcome: Any) -> float | None:
         return None
     if isinstance(outcome, (int, float)):
         return float(outcome)
-    if str(getattr(outcome, "status", "ok")) not in ("ok", "Status.OK"):
+    if getattr(outcome, "status", "ok") != "ok":  # Status is a StrEnum: Status.OK == "ok"
         return None
     q = getattr(outcome, "best_quantiles", None)
     return q.p50 if q is not None else None
