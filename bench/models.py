@@ -211,16 +211,20 @@ def timed_rounds(runs: dict, n: int, rounds: int) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in per.items()}
 
 
-def device_time(fn, iters: int = 5, names: frozenset = frozenset()) -> dict:
+def device_time(fn, iters: int = 5, names=frozenset()) -> dict:
     """Device ms per forward: {"total": every kernel's own time, "forge_kernels": of it, forge's Triton
     kernels (by name), "torch_ops" / "eager_regions": what the regions forge decided "torch" / "eager" launched
     (their profiler ranges, from a Backend(profile_regions=True); zero for other contestants), "top_other":
-    the largest kernels that are not forge's (name, ms)}."""
+    the largest kernels that are not forge's (name, ms)}. `names` may be a callable, read after the warm-up
+    call (a backend's kernel_names(): empty before its first call has compiled anything)."""
     from torch.profiler import ProfilerActivity
 
     with torch.no_grad():
         fn()
         torch.cuda.synchronize()
+    if callable(names):
+        names = names()
+    with torch.no_grad():
         with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 fn()
@@ -353,7 +357,7 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
         try:
             pfn, pbe = contestant("forge-profiled", name, cache)
             pkw = make_args()
-            d = device_time(lambda f=pfn, k=pkw: step(f, k), names=pbe.kernel_names())
+            d = device_time(lambda f=pfn, k=pkw: step(f, k), names=pbe.kernel_names)
         except Exception as exc:  # noqa: BLE001 - the shares are extra: the row stands without them
             row["device"]["shares_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         else:
