@@ -99,8 +99,16 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-           "models": {}}
+    import datetime as dt
+    import subprocess
+
+    import triton
+
+    drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    out = {"gpu": torch.cuda.get_device_name(), "driver": drv, "torch": torch.__version__,
+           "triton": triton.__version__, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+           "command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "models": {}}
     try:
         import transformers
         out["transformers"] = transformers.__version__
