@@ -16,7 +16,8 @@ of first use, the module parameters and buffers it reads (`Traced.params` says h
 
 Canonical forms (every node is a tuple):
   ("input", i)            the i-th tensor input
-  ("const", value)        None, numbers, strings, shapes, index tuples (slices with concrete bounds)
+  ("const", value)        None, numbers, strings, shapes, index tuples (slices with concrete bounds);
+                          ("empty_tensor", dtype) for a literal empty 1-D tensor (torch.tensor([]))
   ("mul", a, b, ...)      n-ary, operands sorted (so x*r*w == w*(r*x)); x/y becomes mul(x, recip(y))
   ("add", a, b, ...)      n-ary, sorted
   ("sub", a, b)
@@ -563,7 +564,12 @@ class TraceGraph:
         def _node(n) -> tuple:
             v = values.get(n)
             holds_tensors = isinstance(v, list | tuple) and any(isinstance(x, torch.Tensor) for x in v)
-            if is_leaf(n):
+            if (n.op in ("call_function", "call_method") and not n.all_input_nodes and isinstance(v, torch.Tensor)
+                    and v.dim() == 1 and v.numel() == 0):
+                # a literal empty 1-D tensor (transformers' KV cache starts as torch.tensor([])): a constant at
+                # every cut, so the cat that reads it is a region over the other tensors (kernels/cat.py)
+                res = ("const", ("empty_tensor", _dtype(v.dtype)))
+            elif is_leaf(n):
                 res = leaf(n, v)
             elif n.op == "placeholder" and n in index:
                 res = ("input", index[n])

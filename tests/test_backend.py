@@ -53,8 +53,9 @@ def _out(o):
 # Llama's gate/up pair is one swiglu.
 # The residual add before every norm but the first is in an add_norm region (GPT-2, BERT; Llama's norm reads
 # h through a no-op .to(float32) that is the multi-use node, which the add_norm cut does not yet look through).
-TUNED = {"llama": {"rmsnorm": 1, "add_norm": 4, "swiglu": 2, "linear": 11},
-         "gpt2": {"layer_norm": 1, "add_norm": 4, "linear": 9},
+# cat: the KV cache's update (an empty past, then the new k or v), two per layer
+TUNED = {"llama": {"rmsnorm": 1, "add_norm": 4, "swiglu": 2, "linear": 11, "cat": 4},
+         "gpt2": {"layer_norm": 1, "add_norm": 4, "linear": 9, "cat": 4},
          "bert": {"layer_norm": 1, "add_norm": 4, "linear": 13}}
 
 

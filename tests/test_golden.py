@@ -57,6 +57,9 @@ ATTRS["layer_norm"] += [{"dims": 2}]
 ATTRS["reduce"] += [{"kind": "amin"}, {"kind": "argmin", "dim": -2, "keepdim": True}, {"kind": "sum", "dim": -2}]
 # Issue 14's generated pointwise chains (added later too: its own entries).
 ATTRS["pointwise"] = [{}, {"expr": "add(mul(x0,2.0),relu(x1))"}, {"expr": "add(x0,x1)", "input_shapes": "c;4096"}]
+# The KV cache's cat (its own entries, added with the family): a copy, and HF's empty past + the new keys.
+ATTRS["cat"] = [{}, {"empty": 1}]
+REALISTIC["cat"] = [(4, 16, 1024, 64)]
 # Issue 14's residual add + norm (its own entries, added with the family).
 ATTRS["add_norm"] = [{}, {"norm": "layer_norm", "eps": 1e-5}, {"form": "fused"}]
 REALISTIC["add_norm"] = [(2048, 4096)]

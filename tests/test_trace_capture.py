@@ -64,7 +64,12 @@ def _counts(by: dict) -> Counter:
     """Regions per op, leaving out the rotary embedding's inv_freq @ positions: transformers 5.17 writes
     it as a matmul (a region), 5.24 as a broadcast product."""
     assert set(by) <= {"rmsnorm", "add_norm", "rope", "sdpa", "silu_mul", "layer_norm", "gelu", "matmul", "linear",
-                       "swiglu"}, set(by)
+                       "swiglu", "cat"}, set(by)
+    for r in by.get("cat", []):  # the KV cache's update: an empty past (torch.tensor([])) and the new k or v
+        a = r["attrs"] if isinstance(r, dict) else r.attrs  # the CLI's JSON or a Region
+        assert (a["dim"], a["empty"]) == (2, 1), r
+        if not isinstance(r, dict):
+            assert r.unsupported is None and len(r.leaves) == 1, r
     assert len(by.get("matmul", [])) <= 1
     return Counter({op: len(rs) for op, rs in by.items() if op != "matmul"})
 
@@ -107,7 +112,7 @@ def test_llama_rmsnorm_silu_mul_rope_and_sdpa_regions():
     # linear: q, k, v, o_proj, down_proj per layer, and lm_head (tests/test_op_swiglu.py). Each residual add
     # feeds the next RMSNorm (through h.to(float32), a no-op in float32) and the next residual add: add_norm
     # (the add inside, h its extra output); the first layer's input_layernorm reads the embeddings: rmsnorm.
-    assert _counts(by) == Counter(rmsnorm=1, add_norm=4, rope=4, sdpa=2, swiglu=2, linear=11)
+    assert _counts(by) == Counter(rmsnorm=1, add_norm=4, rope=4, sdpa=2, swiglu=2, linear=11, cat=4)
     assert [len(r.extra_outputs) for r in by["add_norm"]] == [1, 1, 1, 0]  # model.norm: h read by it only
 
     # RMSNorm (HF: weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype); in float32 every
@@ -150,7 +155,7 @@ def test_gpt2_layer_norms_and_gelu_new():
     # the next layer_norm and the next residual add: add_norm (the add inside, h its extra output), so
     # c_proj no longer takes the residual as its epilogue. The first ln_1 reads the embeddings' sum wte + wpe
     # (through dropout, a no-op in eval): a broadcast add add_norm cannot take, so it is a plain layer_norm.
-    assert _counts(by) == Counter(layer_norm=1, add_norm=4, linear=9, sdpa=2)
+    assert _counts(by) == Counter(layer_norm=1, add_norm=4, linear=9, sdpa=2, cat=4)
     for r in by["add_norm"]:
         assert (r.shape, r.attrs, r.unsupported) == ((2, 16, 64), {"norm": "layer_norm", "eps": 1e-5}, None)
     # h is read again after every layer but the last (there ln_f is its only reader: no extra output)
@@ -230,12 +235,13 @@ def test_cli_traces_a_hf_model_file_function(llama_file, tmp_path):
     for r in doc["regions"]:
         by.setdefault(r["op"], []).append(r)
     # as test_llama_rmsnorm_silu_mul_rope_and_sdpa_regions: the residual adds and their norms are add_norm
-    assert _counts(by) == Counter(rmsnorm=1, add_norm=4, rope=4, sdpa=2, swiglu=2, linear=11)
+    assert _counts(by) == Counter(rmsnorm=1, add_norm=4, rope=4, sdpa=2, swiglu=2, linear=11, cat=4)
     tunable = sorted({(r["op"], tuple(r["shape"]), r["dtype"]) for r in doc["regions"]
                       if r["tunable"] and r["op"] not in ("matmul", "linear")})
     # sdpa is tunable where HF calls it with is_causal (transformers 5.24); 5.17 passes a mask tensor
     causal_call = any(r["op"] == "sdpa" and "attn_mask" not in r["attrs"] for r in doc["regions"])
-    assert tunable == [("add_norm", (2, 16, 64), "float32"), ("rmsnorm", (2, 16, 64), "float32"),
+    assert tunable == [("add_norm", (2, 16, 64), "float32"), ("cat", (2, 2, 16, 16), "float32"),
+                       ("rmsnorm", (2, 16, 64), "float32"),
                        ("rope", (2, 2, 16, 16), "float32"),
                        ("rope", (2, 4, 16, 16), "float32"),
                        *([("sdpa", (2, 4, 16, 16, 16), "float32")] if causal_call else []),
@@ -250,6 +256,8 @@ def test_cli_traces_a_hf_model_file_function(llama_file, tmp_path):
     assert labels == ["rmsnorm 2x16x64 float32 eps=1e-06",
                       "rope 2x4x16x16 float32 cos_batch=1 strides=1024,16,64,1;c;c",
                       "rope 2x2x16x16 float32 cos_batch=1 strides=512,16,32,1;c;c",
+                      # k (rope's output, in its input's layout) and v (a view) into the empty cache: one spec
+                      "cat 2x2x16x16 float32 dim=2 empty=1 sizes=16 strides=512,16,32,1",
                       *(f"sdpa 2x4x16x16x16 float32 causal=True kv_heads=2 scale=0.25 strides={st}" for st in sdpa),
                       "add_norm 2x16x64 float32 eps=1e-06 norm=rmsnorm",
                       "swiglu 2x16x128x64 float32"]
