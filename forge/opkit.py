@@ -700,6 +700,15 @@ def gemm_default(dims: tuple[int, int, int, int], device: str, dtype: str, sp: S
                                   num_warps=4, num_stages=3)
             if split_tiles * split <= 2 * hardware.GPU_SMS and cand in sp:
                 return cand
+    # Large half-precision GEMMs start from 128x256x64 tiles, 8 warps, 4 stages, no grouping: the budget-50
+    # winner for GPT-2's c_fc + gelu_new (4096x4096x1024) on the H200, 2.97x eager
+    # (h200-layouts-search-2026-12-04.json), where the budget-16 search of the same spec, which starts from
+    # the 128x128x64 3-stage point, kept that point at 2.32x eager (h200-models-2026-12-04-c.json, each
+    # ratio measured side by side with eager): the even grid of a small budget never reaches it.
+    if not fp32 and m >= 1024 and n >= 1024 and k >= 256:
+        cand = Candidate.make("tiled", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=4)
+        if cand in sp:
+            return cand
     bk = 32 if fp32 else 64
     for warps in (8, 4):
         for stages in (3, 2):

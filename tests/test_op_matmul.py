@@ -370,8 +370,13 @@ def test_gpu_space_fits_the_problem():
     # 4096 columns are >= 32 tiles: 32 splits would be over 4 waves of programs with one K step each.
     assert {c.p["SPLIT_K"] for c in decode.points("splitk")} == {2, 4, 8, 16}
     assert MOD.default(MOD.make_spec((1, 4096, 4096), "float16", "cuda")).variant == "splitk"
+    # a large half-precision GEMM starts from 128x256x64 tiles, 4 stages (forge/opkit.py gemm_default says why);
+    # a smaller one, or fp32, from 128x128 tiles, 3 stages
     assert MOD.default(MOD.make_spec((2048, 4096, 4096), "float16", "cuda")) == Candidate.make(
+        "tiled", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=4)
+    assert MOD.default(MOD.make_spec((512, 4096, 4096), "float16", "cuda")) == Candidate.make(
         "tiled", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    assert MOD.default(MOD.make_spec((2048, 4096, 4096), "float32", "cuda")).p["BLOCK_N"] == 128
 
 
 @pytest.mark.parametrize("shape", [*MOD.TEST_SHAPES, (64, 64, 64)])
