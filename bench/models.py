@@ -307,6 +307,13 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
     row: dict = {"model": name, "label": label}
     runs, first, errors, backends, outs, ms = {}, {}, {}, {}, {}, {}
     sequential = getattr(args, "sequential", False)
+    # Every compiled contestant adds its own cache entries for the same frames (decode: two graphs each, the
+    # cropped cache's strides). Past Dynamo's recompile limit (8 entries) a frame runs eager, silently: in
+    # h200-models-2026-12-04-e.json decode's 5th and 6th compiled contestants (max-autotune, compile's CUDA
+    # graphs) read about eager's time and the profiled forge run found no forge kernel. Raised, and a hit fails.
+    for knob, value in (("recompile_limit", 64), ("cache_size_limit", 64), ("fail_on_recompile_limit_hit", True)):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, value)
     # No torch._dynamo.reset() between contestants: it would drop the compiled contestants' code, and
     # recompiling forge's model after it (with Inductor's entries for the same frames) split the model
     # into per-layer graphs on torch 2.11. Each contestant's first call still compiles its own entries

@@ -15,6 +15,8 @@ def _c(c: dict | None) -> str:
         return "—"
     if "error" in c:
         return "n/a"
+    if "invalid" in c:  # measured, but not what it claims to be (the JSON's note says why)
+        return f"invalid ({c['ms_per_forward']:.2f})"
     return f"{c['ms_per_forward']:.2f} ({c['speedup_vs_eager']:.2f}x)"
 
 
@@ -52,10 +54,12 @@ def table(path: Path) -> str:
         dev = r.get("device")
         dv = f"{dev['eager_ms']:.2f} → {dev['forge_ms']:.2f} ms ({dev['speedup']:.2f}x)" if dev else "—"
         for mode in ("compile", "max-autotune"):  # runs since run e: the peers' device time as well
-            if dev and dev.get(f"{mode}_ms"):
+            if dev and dev.get(f"{mode}_ms") and "invalid" not in cs.get(mode, {}):
                 dv += f"; {mode} {dev[f'{mode}_ms']:.2f} ms ({dev['eager_ms'] / dev[f'{mode}_ms']:.2f}x)"
         share = f"{dev['forge_kernel_share']:.1%}" if dev and dev.get("forge_kernel_share") is not None else "—"
-        if dev and dev.get("forge_region_share") is not None:  # kernel + torch-op regions (issue 14's target)
+        if dev and dev.get("shares_invalid"):
+            share = "invalid (see note)"
+        elif dev and dev.get("forge_region_share") is not None:  # kernel + torch-op regions (issue 14's target)
             share += f" ({dev['forge_region_share']:.1%}"
             if dev.get("decided_share") is not None:  # runs since f: every region forge decided, eager included
                 share += f"; {dev['decided_share']:.1%}"
