@@ -17,7 +17,7 @@ app = typer.Typer(
     name="forge",
     help="Auto-tune Triton kernels for PyTorch ops: search, validate, time, cache.\n\n" + EXIT_CODES_HELP,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion SHELL (Typer: bash, zsh, fish, powershell)
     pretty_exceptions_enable=False,
 )
 cache_app = typer.Typer(help="Inspect and edit the kernel cache. " + EXIT_CODES_HELP, no_args_is_help=True)

@@ -20,6 +20,14 @@ from forge.errors import UsageError
 from forge.spec import parse_shape
 from forge.tuner import manifest as manifest_mod
 
+
+def complete_op(incomplete: str) -> list[str]:
+    """Shell completion of an op argument (`forge search rms<TAB>`): the op families forge has."""
+    from forge import ops
+
+    return [name for name in sorted(ops.available()) if name.startswith(incomplete)]
+
+
 # -- the options of every command that touches the cache ----------------------------------------------
 CacheOpt = Annotated[Path | None, typer.Option("--cache", help="Cache DB (default: $FORGE_CACHE_DIR/forge.db "
                                                                "or ~/.cache/forge/forge.db).")]

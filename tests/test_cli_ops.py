@@ -48,3 +48,19 @@ def test_no_suggestion_for_something_else():
     with pytest.raises(UsageError) as exc:
         ops.get("convolution")
     assert "did you mean" not in str(exc.value)
+
+
+def test_shell_completion_script_and_op_names():
+    from forge_cli.options import complete_op
+
+    res = runner.invoke(cli.app, ["--show-completion", "bash"], prog_name="forge")
+    assert res.exit_code == 0 and "_FORGE_COMPLETE" in res.output and "complete" in res.output
+    assert complete_op("rms") == ["rmsnorm"]
+    assert complete_op("") == sorted(ops.available()) and "cat" in complete_op("c")
+    assert complete_op("nope") == []
+    # the op argument of search, bench and export completes op names in the shell
+    for cmd in ("search", "bench", "export"):
+        res = runner.invoke(cli.app, [cmd, "rms"], prog_name="forge",
+                            env={"_FORGE_COMPLETE": "complete_bash", "COMP_WORDS": f"forge {cmd} rms",
+                                 "COMP_CWORD": "2"})
+        assert res.output.split() == ["rmsnorm"], (cmd, res.output)

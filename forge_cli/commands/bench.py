@@ -32,6 +32,7 @@ from forge_cli.options import (
     ShapeOpt,
     TimeoutOpt,
     check_settings,
+    complete_op,
     parse_attrs,
     parse_shape_opt,
     with_help,
@@ -299,7 +300,8 @@ def _targets(*, op, shape, manifest, attr, recheck, remeasure, cli_vals, db_path
 
 
 OpArg = Annotated[str | None, typer.Argument(help="Op family (or --manifest). With --recheck: every cached "
-                                                  "entry of OP, or of the cache when OP is left out.")]
+                                                  "entry of OP, or of the cache when OP is left out.",
+                                             autocompletion=complete_op)]
 BenchManifestOpt = with_help(ManifestOpt, "Bench every entry of a TOML manifest (docs/manifest.md).")
 BenchDeviceOpt = with_help(DeviceOpt, "cuda or cpu (Triton interpreter; default: cuda if available, else cpu).")
 BenchAttrOpt = with_help(AttrOpt, "Scalar attribute NAME=VALUE.")

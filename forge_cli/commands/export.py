@@ -24,13 +24,15 @@ from forge_cli.options import (
     JsonOpt,
     ShapeOpt,
     check_settings,
+    complete_op,
     parse_attrs,
     parse_shape_opt,
     with_help,
 )
 from forge_cli.render import cache_exit_code, err, fail, open_cache, out
 
-OpArg = Annotated[str | None, typer.Argument(help="Op family, e.g. rmsnorm (or use --key).")]
+OpArg = Annotated[str | None, typer.Argument(help="Op family, e.g. rmsnorm (or use --key).",
+                                             autocompletion=complete_op)]
 OutDirOpt = Annotated[Path, typer.Option("-o", "--out", help="Directory to write into (created if missing).")]
 FormatOpt = Annotated[str, typer.Option("--format", help="module (one standalone .py file) or hf-kernels "
                                                          "(adds to the Hugging Face kernels repository forge-NAME).")]

@@ -35,6 +35,7 @@ from forge_cli.options import (
     TimeoutOpt,
     WorkersOpt,
     check_settings,
+    complete_op,
     parse_attrs,
     parse_shape_opt,
 )
@@ -209,7 +210,8 @@ def print_manifest_run(path: Path, part: tuple[int, int] | None, m: manifest_mod
 
 
 # -- the command ----------------------------------------------------------------------------------------------
-OpArg = Annotated[str | None, typer.Argument(help="Op family, e.g. rmsnorm or softmax (or use --manifest).")]
+OpArg = Annotated[str | None, typer.Argument(help="Op family, e.g. rmsnorm or softmax (or use --manifest).",
+                                             autocompletion=complete_op)]
 ShardOpt = Annotated[str | None, typer.Option("--shard", help="With --manifest: only shard I of N, "
                                                               "written I/N with 0 <= I < N.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Search even if a decision is cached.")]
