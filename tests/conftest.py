@@ -49,3 +49,22 @@ def _isolated_dirs(tmp_path, monkeypatch):
 def fault_ops(monkeypatch):
     monkeypatch.setenv("FORGE_OPS_PATH", str(FAULT_OPS))
     return FAULT_OPS
+
+
+def dynamo_graph(fn, *args):
+    """The TraceGraph TorchDynamo hands a backend for fn(*args) (static shapes: aranges are calls there, not
+    constants baked by fx; a literal torch.tensor([]) is a call too)."""
+    from forge.trace import TraceGraph
+
+    got = {}
+
+    def backend(gm, example_inputs):
+        got["g"] = TraceGraph.from_graph(gm, example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    finally:
+        torch._dynamo.reset()
+    return got["g"]

@@ -12,9 +12,8 @@ from forge import backend as fb
 from forge import codegen, ops
 from forge.loader import load_module, write_source
 from forge.regions import find_regions
-from forge.trace import TraceGraph
 from forge.tuner import stats
-from tests.conftest import HAS_CUDA
+from tests.conftest import HAS_CUDA, dynamo_graph
 
 OP = ops.get("cat")
 MOD = OP.module
@@ -98,21 +97,6 @@ def test_spec_rules():
             MOD.problem(ts, {"dim": 1})
 
 
-def _captured(fn, *args) -> TraceGraph:
-    got = {}
-
-    def backend(gm, example_inputs):
-        got["g"] = TraceGraph.from_graph(gm, example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
-    finally:
-        torch._dynamo.reset()
-    return got["g"]
-
-
 def prefill(qkv):
     """transformers' DynamicLayer on a prefill: the cache starts as an empty tensor, k a transposed view."""
     b, s, _ = qkv.shape
@@ -134,16 +118,16 @@ def promoted(x):
 
 
 def test_matcher_takes_the_kv_cache_spellings():
-    (r,) = [r for r in find_regions(_captured(prefill, torch.randn(2, 5, 96)), "cpu")[0] if r.op == "cat"]
+    (r,) = [r for r in find_regions(dynamo_graph(prefill, torch.randn(2, 5, 96)), "cpu")[0] if r.op == "cat"]
     assert (r.shape, r.attrs, r.unsupported) == ((2, 4, 5, 8), {"dim": 2, "sizes": "5", "empty": 1,
                                                                 "strides": "480,8,96,1"}, None)
     assert len(r.leaves) == 1  # the empty tensor is no region input: a constant inside the region
-    (r,) = [r for r in find_regions(_captured(decode, torch.randn(2, 4, 6, 8), torch.randn(2, 4, 1, 8)),
+    (r,) = [r for r in find_regions(dynamo_graph(decode, torch.randn(2, 4, 6, 8), torch.randn(2, 4, 1, 8)),
                                     "cpu")[0] if r.op == "cat"]
     assert (r.shape, r.attrs, r.unsupported) == ((2, 4, 7, 8), {"dim": 2, "sizes": "6,1"}, None)
-    assert not [r for r in find_regions(_captured(doubled, torch.randn(3, 4)), "cpu")[0] if r.op == "cat"]
+    assert not [r for r in find_regions(dynamo_graph(doubled, torch.randn(3, 4)), "cpu")[0] if r.op == "cat"]
     # an empty float32 past with half keys: torch.cat promotes the result, the kernel would not
-    regions, _ = find_regions(_captured(promoted, torch.randn(2, 3, 4, dtype=torch.float16)), "cpu")
+    regions, _ = find_regions(dynamo_graph(promoted, torch.randn(2, 3, 4, dtype=torch.float16)), "cpu")
     (r,) = [r for r in regions if r.op == "cat"]
     assert "promotes" in r.unsupported
 

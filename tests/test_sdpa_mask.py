@@ -15,6 +15,7 @@ from forge import fused, ops
 from forge.regions import find_regions
 from forge.trace import TraceGraph
 from forge.tuner.validate import compare
+from tests.conftest import dynamo_graph
 
 MOD = ops.get("sdpa").module
 B, HQ, HKV, S, D = 2, 4, 2, 7, 16
@@ -72,7 +73,7 @@ def _qkv(sq=S, skv=S, hkv=HKV):
 def _sdpa_regions(fn, *args):
     """The sdpa regions of fn's graph as TorchDynamo captures it (static shapes: the aranges take ints; in a
     torch.fx trace of a function they read q.shape, a graph input, and the mask is not constant)."""
-    regions, _ = find_regions(_captured(fn, *args), "cpu")
+    regions, _ = find_regions(dynamo_graph(fn, *args), "cpu")
     return [r for r in regions if r.op == "sdpa"]
 
 
@@ -135,28 +136,12 @@ def test_a_mask_from_an_input_is_not_folded_even_when_it_is_causal_now():
     assert r.unsupported and "attn_mask" in r.unsupported
 
 
-def _captured(fn, *args) -> TraceGraph:
-    """The graph TorchDynamo hands a backend (aranges are calls there, not constants baked by fx)."""
-    got = {}
-
-    def backend(gm, example_inputs):
-        got["g"] = TraceGraph.from_graph(gm, example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
-    finally:
-        torch._dynamo.reset()
-    return got["g"]
-
-
 def test_constant_means_built_from_literals_only():
     def f(x, w):
         a = torch.arange(4).view(1, 4) <= torch.arange(4).view(4, 1)
         return a, a & (x > 0), torch.rand(4) > 0.5, w.sum(0) > 0
 
-    g = _captured(f, torch.randn(4, 4), torch.nn.Parameter(torch.randn(4, 4)))
+    g = dynamo_graph(f, torch.randn(4, 4), torch.nn.Parameter(torch.randn(4, 4)))
     out = g.output_node()
     assert g.constant(out[0])
     assert not g.constant(out[1])  # reads x
