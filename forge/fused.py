@@ -107,6 +107,7 @@ FUSED: dict[str, Fused | str] = {
     "swiglu": "torch has no fused SwiGLU op (the reference: two F.linear, then F.silu(g) * u)",
     "pointwise": "torch has no single op for an arbitrary elementwise chain (torch.compile generates one: a bench "
                  "contestant)",
+    "cat": "the user's torch.cat is torch's op itself (the baseline)",
 }
 
 

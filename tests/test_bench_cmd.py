@@ -279,7 +279,7 @@ SMALL = {"linear": (4, 8, 8), "swiglu": (4, 8, 8), "pointwise": (4, 32),
          "rmsnorm": (4, 32), "add_norm": (4, 32),
          "softmax": (4, 32), "log_softmax": (4, 32), "layer_norm": (4, 32), "gelu": (4, 32),
          "silu_mul": (4, 32), "reduce": (4, 32), "cross_entropy": (4, 10), "matmul": (8, 8, 8),
-         "sdpa": (1, 2, 8, 8, 16), "rope": (1, 2, 4, 8)}
+         "sdpa": (1, 2, 8, 8, 16), "rope": (1, 2, 4, 8), "cat": (4, 32)}
 
 
 @pytest.mark.parametrize("op", sorted(ops.available()))

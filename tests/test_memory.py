@@ -65,6 +65,7 @@ CASES = {
                                                "residual": True})],
     "swiglu": [((5, 7, 9), {}), ((2, 5, 7, 9), {})],
     "rope": [((2, 3, 5, 16), {}), ((1, 2, 7, 8), {})],
+    "cat": [((3, 7), {}), ((2, 3, 9, 16), {"dim": 2, "sizes": "8,1"}), ((2, 3, 9, 16), {"dim": -2, "empty": 1})],
     "sdpa": [((1, 2, 5, 7, 16), {}), ((2, 4, 9, 13, 16), {"kv_heads": 2, "causal": True}),
              ((1, 2, 33, 17, 32), {"causal": True}), ((1, 1, 17, 33, 8), {"causal": True})],
 }
@@ -145,6 +146,7 @@ BOUND_CASES = {
     "linear": ((64, 96, 48), {"bias": "linear", "residual": True}), "swiglu": ((64, 96, 48), {}),
     "sdpa": ((1, 2, 128, 96, 16), {"causal": True}),
     "pointwise": ((64, 96), {"expr": "add(x0,mul(x1,2.0))", "input_shapes": "c;96"}),
+    "cat": ((2, 8, 64, 16), {"dim": 2, "sizes": "63,1"}),  # a copy: its exact oracle needs no float64
 }
 
 
@@ -159,6 +161,9 @@ def test_an_oracle_allocates_no_float64_tensor_beyond_its_chunk_budget(name, chu
     inputs = mod.make_inputs(spec, 0, "outliers")
     chunk_budget(None)
     whole = _largest_float64_allocation(lambda: mod.oracle(inputs, spec.attrs))
+    if name == "cat":  # a copy is exact in its own dtype: no float64 at all, whatever the size
+        assert whole == 0 and torch.equal(mod.oracle(inputs, spec.attrs), torch.cat(inputs, dim=2))
+        return
     assert whole > BOUND_BUDGET, "the case must be larger than the budget to show anything"
     chunk_budget(BOUND_BUDGET)
     assert _largest_float64_allocation(lambda: mod.oracle(inputs, spec.attrs)) <= BOUND_BUDGET

@@ -258,7 +258,7 @@ def test_the_optional_names_are_not_required():
 # Which defaults each built-in op takes (the rest it defines itself, and why is written there).
 BUILTIN_DEFAULTED = {
     "add_norm": {"tolerance"},  # fills in the norm's w (and b); its oracle stacks y and the rounded h
-    "cat": {"fill_missing", "oracle", "tolerance"},  # a copy: the float64 oracle is exact; tolerance_for: exact
+    "cat": {"fill_missing", "tolerance"},  # a copy: its oracle is the concatenation (exact); tolerance_for: exact
     "cross_entropy": {"fill_missing", "tolerance"},  # its oracle returns inf where the output dtype overflows
     "gelu": {"fill_missing", "tolerance"},  # oracle rounded once to the output dtype
     "layer_norm": {"tolerance"},  # fills in w = 1, b = 0; its oracle views several trailing dims as rows

@@ -121,6 +121,7 @@ LIGER: dict[str, Callable[[], tuple[str, Callable]] | str] = {
     "sdpa": "Liger-Kernel has no attention forward kernel",
     "reduce": "Liger-Kernel has no row reductions",
     "log_softmax": "Liger-Kernel has no log_softmax kernel",
+    "cat": "Liger-Kernel has no concatenation kernel",
 }
 
 
