@@ -60,6 +60,20 @@ def _sdpa(inputs, attrs):
     return _f().scaled_dot_product_attention(q, k, v, is_causal=attrs["causal"], scale=attrs["scale"], **kwargs)
 
 
+def _linear_other_layout(inputs, attrs):
+    """The user's calls (F.linear / addmm, then the epilogue as written: kernels/linear.py reference) on the
+    weight copied into the other storage order, w.t().contiguous().t(): the same values, cuBLAS then picks
+    its kernel for the transposed layout. Eager's (N, K) weight with an odd N (GPT-2's 50257-word lm_head: the
+    logits' rows are not 16-byte aligned) ran an sm75 align1 kernel, 4.4 ms on the H200, where Inductor's
+    transposed copy of the weight + cuBLAS took 0.61 ms (h200-models-2026-12-04-c.json profiles). The copy is
+    part of every call, so the search's timing includes it; where the layout does not matter it loses."""
+    from forge import ops
+
+    parts = list(inputs)
+    parts[1] = parts[1].t().contiguous().t()
+    return ops.get("linear").module.reference(tuple(parts), attrs)
+
+
 def _trailing(x, attrs: dict) -> tuple:
     """The normalized trailing shape of a norm spec (attribute dims: how many trailing dims, default 1)."""
     return tuple(x.shape[x.dim() - int(attrs.get("dims", 1)):])
@@ -102,8 +116,9 @@ FUSED: dict[str, Fused | str] = {
     "reduce": Fused("torch.sum / mean / amax / argmax", _reduce, same_as_eager=_always),
     "rope": "torch has no fused rotary-embedding op",
     "add_norm": "torch has no fused residual-add-and-norm op (the reference: torch.add, then the norm's kernels)",
-    "linear": "torch has no GEMM with a fused epilogue beyond F.linear's bias (the reference: F.linear / addmm, "
-              "then each epilogue op)",
+    # torch has no GEMM with a fused epilogue beyond F.linear's bias: the candidate is the user's own calls on
+    # the weight in the other storage order (cuBLAS's kernel choice depends on it)
+    "linear": Fused("F.linear / addmm on the weight transposed in memory", _linear_other_layout),
     "swiglu": "torch has no fused SwiGLU op (the reference: two F.linear, then F.silu(g) * u)",
     "pointwise": "torch has no single op for an arbitrary elementwise chain (torch.compile generates one: a bench "
                  "contestant)",

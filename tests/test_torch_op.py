@@ -184,3 +184,32 @@ def test_a_bundle_torch_entry_with_a_source_is_rejected():
     bundle.check_integrity(dataclasses.replace(e, source=None, source_sha256=None))  # without one: fine
     with pytest.raises(bundle.Rejected, match="torch decision without winner"):
         bundle.check_metadata(dataclasses.replace(e, source=None, source_sha256=None, winner=None), now=2e9)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"weight": "kn", "bias": "linear", "activation": "gelu_tanh", "form": "formula"},
+                                   {"bias": "add", "activation": "silu", "scale": 0.5, "residual": True}])
+def test_linear_candidate_is_the_users_calls_on_the_weight_in_the_other_layout(attrs):
+    """GPT-2's lm_head: cuBLAS's kernel for an odd N depends on the weight's storage order (H200: eager's
+    4.4 ms vs Inductor's transposed copy + cuBLAS 0.61 ms). The candidate copies the weight transposed in
+    memory on every call and runs the user's own calls; the values are the reference's."""
+    from forge import ops
+    from forge.tuner.validate import compare
+
+    mod = ops.get("linear").module
+    cand = fused.candidate("linear", attrs)
+    assert cand is not None and "transposed" in cand.label
+    spec = mod.make_spec((3, 5, 33, 24), "float32", "cpu", attrs)
+    inputs = mod.make_inputs(spec, 1)
+    w_before = inputs[1].clone()
+    got = cand.fn(inputs, spec.attrs)
+    assert torch.equal(inputs[1], w_before) and inputs[1].is_contiguous()  # the user's weight is untouched
+    assert compare(got, mod.oracle(inputs, spec.attrs), mod.tolerance_for(spec)) is None
+    torch.testing.assert_close(got, mod.reference(inputs, spec.attrs), rtol=1e-5, atol=1e-5)
+
+
+@cpu_only
+def test_a_linear_search_times_the_torch_candidate(tmp_path):
+    rep = engine.search("linear", (4, 8, 8), "float32", device="cpu", cache=Cache(tmp_path / "forge.db"),
+                        options=engine.SearchOptions(budget=1, workers=1, timeout=120))
+    (torch_cand,) = [c for c in rep.candidates if c["variant"] == "torch"]
+    assert torch_cand["status"] == "ok" and "transposed" in torch_cand["label"]
