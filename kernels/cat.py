@@ -39,6 +39,7 @@ STRIDED_ANY_ORDER = True
 DTYPES = ("float16", "bfloat16", "float32")
 # Masking shapes for tests/test_templates.py (sizes None: a copy): one element, odd sizes, a single row,
 # a long last dim, leading dims that flatten.
+MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's y (and z) dimension
 EMPTY_TENSOR = "empty_tensor"  # forge/trace.py's constant for a literal empty 1-D tensor
 TEST_SHAPES = [(1,), (7,), (3, 7), (2, 3, 33), (5, 300), (1, 4100), (2, 2, 5, 16)]
 
@@ -174,6 +175,8 @@ def space(spec: KernelSpec) -> opkit.Space:
     def valid(c: opkit.Candidate) -> bool:
         p = c.p
         if p["BLOCK_C"] > widest_c or p["BLOCK_R"] > widest_r:  # only masks more lanes
+            return False
+        if -(-cols // p["BLOCK_C"]) > MAX_GRID_Y:  # the column tiles are the grid's y dimension
             return False
         tile = p["BLOCK_R"] * p["BLOCK_C"]
         per_thread = tile / (32 * p["num_warps"])

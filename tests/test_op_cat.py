@@ -82,6 +82,10 @@ def test_spec_rules():
             continue
         with pytest.raises(ValueError, match=why):
             MOD.make_spec((3, 5), "float16", "cpu", attrs)
+    # a very long last dim: no tile leaves more column tiles than CUDA's grid y limit
+    wide = MOD.make_spec((2, 1 << 21), "float16", "cuda")
+    pts = MOD.space(wide).points("rows")
+    assert pts and all(-(-(1 << 21) // c.p["BLOCK_C"]) <= 65535 for c in pts) and MOD.default(wide) in pts
     with pytest.raises(ValueError, match="at most 8"):
         MOD.make_spec((3, 9), "float16", "cpu", {"sizes": ",".join(["1"] * 9)})
     with pytest.raises(ValueError, match="int64"):
