@@ -99,14 +99,13 @@ def problem(inputs, attrs) -> tuple[int, ...]:
         raise ValueError(f"inputs of one dtype only, got {sorted(dtypes)} (torch.cat promotes them)")
     if any(t.numel() == 0 for t in inputs):
         raise ValueError(f"an empty input among {[tuple(t.shape) for t in inputs]}")
-    real = list(inputs)
-    rank = real[0].dim()
+    rank = inputs[0].dim()
     dim = attrs.get("dim", 0)
     if not isinstance(dim, int) or not -rank <= dim < rank:
         raise ValueError(f"dim={dim!r} is not a dim of the {rank}-d inputs")
     dim %= rank
-    first = tuple(real[0].shape)
-    for t in real:
+    first = tuple(inputs[0].shape)
+    for t in inputs:
         if t.dim() != rank or any(t.shape[d] != first[d] for d in range(rank) if d != dim):
             raise ValueError(f"shapes {[tuple(x.shape) for x in inputs]} do not concatenate along dim {dim}")
     sizes = [int(t.shape[dim]) for t in inputs]
@@ -261,8 +260,7 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
         col_mask = "cmask" if dim != last else " & ".join(["cmask", *conds])
         lines.append(f"m{j} = ({row_mask})[:, None] & ({col_mask})[None, :]  # input {j}: {size} along dim "
                      f"{dim}, strides {t.strides}")
-        row_terms = [x for x in terms[:-1]]
-        row_off = " + ".join(row_terms) if row_terms else "r * 0"
+        row_off = " + ".join(terms[:-1]) or "r * 0"
         lines.append(f"x{j} = tl.load(X{j} + ({row_off})[:, None] + ({terms[-1]})[None, :], mask=m{j})")
         picks.append(j)
     y = f"x{picks[-1]}"
