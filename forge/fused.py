@@ -60,18 +60,62 @@ def _sdpa(inputs, attrs):
     return _f().scaled_dot_product_attention(q, k, v, is_causal=attrs["causal"], scale=attrs["scale"], **kwargs)
 
 
+# Storage rows and the output's N padded to 128 bytes, Inductor's padding_alignment_bytes. cuBLAS picks an
+# align1 kernel when an operand's or the output's rows are not 16-byte aligned: GPT-2's lm_head (N = 50257)
+# took 4.4 ms in eager, 3.5 ms with the weight copied transposed and its rows padded but the output's rows
+# still odd (h200-models-2026-12-04-g.json's cache), and 0.57 ms of cuBLAS + a 47 µs padded weight copy
+# under Inductor (h200-models-2026-12-04-c.json's compile profile).
+_PAD_BYTES = 128
+
+
+def _pad_to(n: int, elem: int) -> int:
+    per = max(1, _PAD_BYTES // elem)
+    return -(-n // per) * per
+
+
+def _other_order(w, n_dim: int | None = None, n_to: int | None = None):
+    """w (2-D) stored in the other order (w.t() row-major) with its storage rows padded to _PAD_BYTES; with
+    n_dim/n_to, dim n_dim extended to n_to with zeros. A view of w's shape (or the extended one)."""
+    import torch
+
+    shape = list(w.shape)
+    if n_dim is not None:
+        shape[n_dim] = n_to
+    rows, cols = shape[1], shape[0]  # the storage of the result's transpose: rows x cols, row-major
+    buf = torch.empty((rows, _pad_to(cols, w.element_size())), dtype=w.dtype, device=w.device)[:, :cols]
+    view = buf.t()
+    if n_dim is not None and n_to > w.shape[n_dim]:
+        view.narrow(n_dim, w.shape[n_dim], n_to - w.shape[n_dim]).zero_()
+    view.narrow(0, 0, w.shape[0]).narrow(1, 0, w.shape[1]).copy_(w)
+    return view
+
+
 def _linear_other_layout(inputs, attrs):
     """The user's calls (F.linear / addmm, then the epilogue as written: kernels/linear.py reference) on the
-    weight copied into the other storage order, w.t().contiguous().t(): the same values, cuBLAS then picks
-    its kernel for the transposed layout. Eager's (N, K) weight with an odd N (GPT-2's 50257-word lm_head: the
-    logits' rows are not 16-byte aligned) ran an sm75 align1 kernel, 4.4 ms on the H200, where Inductor's
-    transposed copy of the weight + cuBLAS took 0.61 ms (h200-models-2026-12-04-c.json profiles). The copy is
-    part of every call, so the search's timing includes it; where the layout does not matter it loses."""
+    weight copied into the other storage order with aligned rows (_other_order): the same values, cuBLAS
+    then picks its kernel for that layout. Where the output's rows would not be 16-byte aligned (an odd N),
+    the weight and bias are extended with zero columns to an aligned N, the epilogue (elementwise) runs on
+    the wide result, and its first N columns are copied out contiguous (the residual added there): the
+    output is eager's layout. The copies are part of every call, so the search's timing includes them;
+    where the layout does not matter the candidate loses."""
+    import torch
+
     from forge import ops
 
-    parts = list(inputs)
-    parts[1] = parts[1].t().contiguous().t()
-    return ops.get("linear").module.reference(tuple(parts), attrs)
+    ref = ops.get("linear").module.reference
+    x, w = inputs[0], inputs[1]
+    nk = attrs["weight"] == "nk"
+    n = w.shape[0] if nk else w.shape[1]
+    if (n * w.element_size()) % 16 == 0:
+        return ref((x, _other_order(w), *inputs[2:]), attrs)
+    n_pad = _pad_to(n, w.element_size())
+    has_b = attrs.get("bias", "none") != "none"
+    parts = [x, _other_order(w, 0 if nk else 1, n_pad)]
+    if has_b:
+        b = inputs[2]
+        parts.append(torch.nn.functional.pad(b, (0, n_pad - b.shape[-1])) if b.shape[-1] == n else b)
+    y = ref(tuple(parts), {**attrs, "residual": False})[..., :n]
+    return y + inputs[2 + has_b] if attrs.get("residual") else y.contiguous()
 
 
 def _trailing(x, attrs: dict) -> tuple:
@@ -118,7 +162,7 @@ FUSED: dict[str, Fused | str] = {
     "add_norm": "torch has no fused residual-add-and-norm op (the reference: torch.add, then the norm's kernels)",
     # torch has no GEMM with a fused epilogue beyond F.linear's bias: the candidate is the user's own calls on
     # the weight in the other storage order (cuBLAS's kernel choice depends on it)
-    "linear": Fused("F.linear / addmm on the weight transposed in memory", _linear_other_layout),
+    "linear": Fused("F.linear / addmm on the weight transposed in memory, rows padded to 128 B", _linear_other_layout),
     "swiglu": "torch has no fused SwiGLU op (the reference: two F.linear, then F.silu(g) * u)",
     "pointwise": "torch has no single op for an arbitrary elementwise chain (torch.compile generates one: a bench "
                  "contestant)",
