@@ -69,10 +69,15 @@ def main() -> int:
                                        recorded=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                                        source="PYTHONPATH=. python3 bench/record_tables.py --case " + case,
                                        seconds=round(time.monotonic() - t0, 1))
+        # issue 17: how far each finalist's screening p50 was from its final p50 (engine.screen_to_final)
+        doc["screening"] = report.get("screening")
+        doc["decision"], doc["speedup"] = report.get("decision"), report.get("speedup")
         name = f"{op}-{shape_s}-{dtype}.json"
         (args.out / name).write_text(json.dumps(doc, indent=1))
         ok = sum(c["status"] == "ok" for c in doc["candidates"])
-        lines.append(f"{case}: {n} points, {ok} timed, {time.monotonic() - t0:.0f} s -> {name}")
+        err = (doc["screening"] or {}).get("max_abs_error")
+        lines.append(f"{case}: {n} points, {ok} timed, {time.monotonic() - t0:.0f} s, decision {doc['decision']}, "
+                     f"screen-to-final max |error| {'-' if err is None else f'{100 * err:.1f}%'} -> {name}")
     print("\n".join(["", "=" * 30 + " tables " + "=" * 30, *lines]))
     return 0
 

@@ -74,6 +74,13 @@ def test_a_recorded_exhaustive_search_replays_to_its_own_best(tmp_path):
                         options=engine.SearchOptions(budget=n, workers=1, timeout=120, torch_op=False))
     doc = replay.table_from_report(rep.to_dict(), gpu="interpreter")
     assert doc["op"] == "softmax" and doc["shape"] == "4x40" and len(doc["candidates"]) == n
+    base = rep.baseline.p50
+    for row, c in zip(doc["candidates"], rep.candidates, strict=True):  # one scale: the final's eager
+        if c["status"] == "ok":
+            assert row["screen_p50_us"] == c["screen"]["p50"]
+            assert row["p50_us"] == pytest.approx(c["screen"]["p50"] * base / c["screen_eager_p50"])
+        else:
+            assert row["p50_us"] is None
     path = tmp_path / "t.json"
     path.write_text(json.dumps(doc))
     t = replay.load(path)

@@ -4,6 +4,7 @@ running search short (engine.SearchOptions.deadline: it decides from the candida
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -34,6 +35,9 @@ def _deadline_after(kind: str, opts: engine.SearchOptions, seen: list):
 @pytest.mark.parametrize("accept", [True, False])
 def test_deadline_mid_search_decides_from_what_was_timed(tmp_path, monkeypatch, accept):
     monkeypatch.setattr(stats, "accepts", lambda *a, **k: accept)
+    # screened one per group, so the deadline falls between two groups (groups are the unit it cuts)
+    monkeypatch.setitem(engine.SAMPLING, "interpreter", dataclasses.replace(engine.SAMPLING["interpreter"],
+                                                                            screen_group=1))
     db = Cache(tmp_path / "f.db")
     opts = engine.SearchOptions(budget=3, workers=1, deadline=time.monotonic() + 3600)
     seen: list = []

@@ -68,15 +68,23 @@ def load(path: str | Path) -> Table:
 
 def table_from_report(report: dict[str, Any], **meta: Any) -> dict[str, Any]:
     """A replay table from `forge search --json`'s report of an exhaustive search: every candidate with its
-    status and p50 (the final's where it has one, else its screening's). torch's fused op is left out: it is
-    no point of the space."""
+    status and p50 on one scale: its screening p50 times the final's eager p50 over eager's p50 in its own
+    screening group (the engine screens in groups interleaved with eager; this is how it ranks them), or
+    the raw screening p50 where the report has no group eager (older reports). The raw screening and final
+    p50 are kept beside it. torch's fused op is left out: it is no point of the space."""
+    base = (report.get("baseline") or {}).get("p50")
     rows = []
     for c in report["candidates"]:
         if c["variant"] == "torch":
             continue
-        q = c.get("final") or c.get("screen")
-        rows.append({"variant": c["variant"], "params": c["params"], "status": c["status"],
-                     "p50_us": q["p50"] if q and c["status"] == "ok" else None})
+        screen, final, group_eager = c.get("screen"), c.get("final"), c.get("screen_eager_p50")
+        ok = c["status"] == "ok" and screen is not None
+        p50 = None
+        if ok:
+            p50 = screen["p50"] * base / group_eager if base and group_eager else screen["p50"]
+        rows.append({"variant": c["variant"], "params": c["params"], "status": c["status"], "p50_us": p50,
+                     "screen_p50_us": screen["p50"] if screen else None,
+                     "final_p50_us": final["p50"] if final else None})
     spec = report.get("spec") or {}
     first = (spec.get("inputs") or [{}])[0]
     return {"op": report.get("op"), "shape": "x".join(map(str, first.get("shape", ()))), "dtype": first.get("dtype"),

@@ -217,7 +217,12 @@ class Session:
         for _ in range(int(msg.get("rounds", 1))):
             for name, sampler in samplers.items():
                 for _ in range(int(msg.get("reps", 1))):
-                    samples[name].append(sampler())
+                    try:
+                        samples[name].append(sampler())
+                    except Exception as exc:  # noqa: BLE001 - a candidate's replay failed: name it, the
+                        if name == "eager":  # engine times the others without it; eager's is forge's problem
+                            raise
+                        return {**self._failure(exc), "failed": name}
         launches = {name: getattr(s, "launches", 1) for name, s in samplers.items()}
         return {"status": Status.OK, "samples": samples, "launches": launches}
 

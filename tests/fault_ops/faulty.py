@@ -26,7 +26,10 @@ EXPECTED = {
     "oom": "oom",                # runs out of memory (the worker is replaced)
     "oob": "cuda-error",         # illegal address on the GPU (cuda only)
 }
-TEMPLATES = {v: "faulty.j2" for v in EXPECTED}
+# "flaky" is outside the space (EXPECTED): it validates, then raises once it has run FLAKY_AFTER times in
+# one worker, i.e. while being timed (tests/test_screening.py renders it directly).
+TEMPLATES = {v: "faulty.j2" for v in (*EXPECTED, "flaky")}
+FLAKY_AFTER = 12
 DEFAULT_ATTRS: dict = {}
 
 
@@ -65,7 +68,8 @@ def default(spec):
 
 def render_context(spec, cand):
     _, n = opkit.rows_cols(spec)
-    return {"variant": cand.variant, "BLOCK_N": opkit.next_pow2(n), "num_warps": cand.p["num_warps"]}
+    return {"variant": cand.variant, "BLOCK_N": opkit.next_pow2(n), "num_warps": cand.p["num_warps"],
+            "FLAKY_AFTER": FLAKY_AFTER}
 
 
 def bytes_moved(spec):
