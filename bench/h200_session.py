@@ -114,7 +114,9 @@ def _manifest_part(name: str, out: Path, cmd: list[str], limit: float, db: Path)
     header = {k: env.get(k) for k in ("gpu", "driver", "cuda", "torch", "triton", "forge")}
     header.update(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), python=sys.version.split()[0],
                   command="forge " + " ".join(cmd[3:]).replace(str(db.parent), "DIR"), exit_code=rc)
-    dst.write_text(json.dumps({**header, **doc}, indent=2))
+    # The header's command is the whole command line; the document's own "command" is only the subcommand
+    # ("search", docs/json.md) and must not overwrite it.
+    dst.write_text(json.dumps({**header, **{k: v for k, v in doc.items() if k != "command"}}, indent=2))
     for e in doc.get("entries", []):
         peak = e.get("peak_worker_bytes")
         lines.append(f"  {e['op']:13} {e['shape']:20} {e['dtype']:9} {e['status']:9} {str(e['decision']):6} "
@@ -176,6 +178,7 @@ def layouts(out: Path, work: Path, args) -> list[str]:
         doc = json.loads(dst.read_text())
     except json.JSONDecodeError:
         return [*lines, "  (no JSON from forge bench)"]
+    # the whole command line in place of the document's subcommand ("bench"), as the search files carry it
     doc.update(command="forge " + " ".join(cmd[3:]).replace(str(work), "DIR"), exit_code=rc,
                date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), python=sys.version.split()[0])
     dst.write_text(json.dumps(doc, indent=2))

@@ -2,7 +2,8 @@
 
 A thin layer over the library: each command parses its options (forge_cli/options.py), calls forge.tuner,
 forge.cache or forge.key, and renders the result (forge_cli/render.py): Rich for people (tables on stdout,
-progress and diagnostics on stderr), `--json` for scripts (one JSON document on stdout, nothing else there).
+progress and diagnostics on stderr), `--json` for scripts (one JSON document on stdout, nothing else there;
+its schema and the error object a failing command prints instead: forge_cli/jsonout.py, docs/json.md).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import typer
 from forge._version import __version__
 from forge.errors import EXIT_CODES_HELP
 from forge_cli.commands import bench, bundle, cache, export, ops, replay, search, trace
+from forge_cli.jsonout import Group
 
 app = typer.Typer(
     name="forge",
@@ -19,8 +21,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,  # --install-completion / --show-completion SHELL (Typer: bash, zsh, fish, powershell)
     pretty_exceptions_enable=False,
+    cls=Group,  # the command path of --json documents, and failures under --json as the error object
 )
-cache_app = typer.Typer(help="Inspect and edit the kernel cache. " + EXIT_CODES_HELP, no_args_is_help=True)
+cache_app = typer.Typer(help="Inspect and edit the kernel cache. " + EXIT_CODES_HELP, no_args_is_help=True, cls=Group)
 app.add_typer(cache_app, name="cache")
 
 # Registration order is the order of `forge --help` and `forge cache --help`.

@@ -31,7 +31,8 @@ def complete_op(incomplete: str) -> list[str]:
 # -- the options of every command that touches the cache ----------------------------------------------
 CacheOpt = Annotated[Path | None, typer.Option("--cache", help="Cache DB (default: $FORGE_CACHE_DIR/forge.db "
                                                                "or ~/.cache/forge/forge.db).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else (an error "
+                                                       "object if the command fails; docs/json.md).")]
 
 # -- what to tune / bench / export: one spec ----------------------------------------------------------
 ShapeOpt = Annotated[str | None, typer.Option("--shape", help="Input shape, e.g. 2048x4096.")]

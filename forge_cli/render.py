@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import typer
 from rich.console import Console
 from rich.markup import escape
 
@@ -20,6 +19,7 @@ from forge import key as keys
 from forge.cache import AmbiguousKey, Cache, CacheError, Entry, KeyNotFound, default_cache_path
 from forge.errors import ExitCode
 from forge.tuner.status import Status
+from forge_cli.jsonout import Failed
 
 # Piped output (CI logs, `| less`) gets a wide fixed width instead of Rich's 80-column default,
 # which folds the candidate table into unreadable cells.
@@ -30,10 +30,11 @@ err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() el
 
 
 # -- errors -------------------------------------------------------------------------------------------------
-def fail(exc: Exception, code: int) -> typer.Exit:
-    """Print `exc` as an error on stderr; the caller raises the returned Exit (exit status `code`)."""
+def fail(exc: Exception, code: int) -> Failed:
+    """Print `exc` as an error on stderr; the caller raises the returned Exit (exit status `code`), which
+    carries the message into the error object of --json (forge_cli/jsonout.py)."""
     err.print(f"[bold red]error:[/] {escape(str(exc))}")  # messages hold [[op]], forge-kernel[ray] ...
-    return typer.Exit(code)
+    return Failed(code, str(exc))
 
 
 def cache_exit_code(exc: CacheError) -> int:

@@ -147,7 +147,7 @@ def test_every_reader_works_on_a_read_only_mount(tmp_path):
         before = {p.name: _sha(p) for p in mnt.iterdir()}
         run = CliRunner().invoke
         res = run(cli.app, ["cache", "ls", "--cache", str(path), "--json"])
-        assert res.exit_code == 0 and [r["key"] for r in json.loads(res.stdout)] == [entry.key], res.output
+        assert res.exit_code == 0 and [r["key"] for r in json.loads(res.stdout)["entries"]] == [entry.key], res.output
         res = run(cli.app, ["cache", "export", str(tmp_path / "b.json"), "--cache", str(path)])
         assert res.exit_code == 0 and (tmp_path / "b.json").is_file(), res.output
         res = run(cli.app, ["search", "softmax", "--shape", "3x40", "--dtype", "float32", "--device", "cpu",

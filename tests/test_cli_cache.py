@@ -58,7 +58,7 @@ def test_ls_table_and_json(db):
     for needle in ("rmsnorm", "softmax", "2048x4096", "float16", "NVIDIA H200", "kernel", "eager", "5.00x", "2h"):
         assert needle in res.stdout, needle
     res = runner.invoke(cli.app, ["cache", "ls", "--json", "--op", "softmax"])
-    rows = json.loads(res.stdout)
+    rows = json.loads(res.stdout)["entries"]
     assert sorted(r["decision"] for r in rows) == ["eager", "kernel"]
     assert {r["op"] for r in rows} == {"softmax"}
     assert [r["speedup"] for r in rows if r["decision"] == "kernel"] == [5.0]

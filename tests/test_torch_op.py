@@ -147,7 +147,7 @@ def test_bench_and_cache_ls_show_the_torch_decision(tmp_path):
     assert by["fused"]["status"] == "ok" and by["eager"]["status"] == "ok"
     assert t["stored"]["decision"] == "torch"
     ls = runner.invoke(cli.app, ["cache", "ls", "--cache", str(db), "--json"])
-    assert ls.exit_code == 0 and [r["decision"] for r in json.loads(ls.stdout)] == ["torch"]
+    assert ls.exit_code == 0 and [r["decision"] for r in json.loads(ls.stdout)["entries"]] == ["torch"]
     exp = runner.invoke(cli.app, ["export", "gelu", "--shape", "x".join(map(str, SHAPE)), "--dtype", "float32",
                                   "--device", "cpu", "--attr", "approximate=tanh", "--attr", "form=formula",
                                   "--cache", str(db), "--out", str(tmp_path / "x")])

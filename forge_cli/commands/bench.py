@@ -21,6 +21,7 @@ from forge.errors import ExitCode, ForgeError, UsageError
 from forge.tuner import bench, engine, stats
 from forge.tuner import manifest as manifest_mod
 from forge.tuner.status import RECHECK_INVALID, Status
+from forge_cli.jsonout import emit
 from forge_cli.options import (
     AttrOpt,
     CacheOpt,
@@ -385,7 +386,7 @@ def bench_cmd(
     except CacheError as exc:
         raise fail(exc, ExitCode.CACHE) from None
     if json_out:
-        print(json.dumps(report.to_dict(), indent=2))
+        emit(report.to_dict())
     elif csv_out != "-":
         (print_recheck if recheck else print_bench)(report)
         if plot is not None:

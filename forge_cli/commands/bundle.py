@@ -3,7 +3,6 @@ their code (forge.tuner.bundle), and clear out entries this machine can no longe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -14,6 +13,7 @@ from rich.table import Table
 from forge.cache import Cache, CacheError
 from forge.errors import ExitCode, ForgeError, UsageError
 from forge.tuner import bundle
+from forge_cli.jsonout import emit
 from forge_cli.options import CacheOpt, JsonOpt
 from forge_cli.render import age, entry_row, err, fail, open_cache, out
 
@@ -29,7 +29,7 @@ def print_import(report: bundle.ImportReport, json_out: bool, verb: str) -> None
         err.print(f"[bold yellow]warning:[/] --trust: imported {t['key'][:12]} ({t['op']}) from "
                   f"{escape(t['from'])} although {escape(t['reason'])}")
     if json_out:
-        print(json.dumps(report.to_dict(), indent=2))
+        emit(report.to_dict())
     else:
         n = len(report.added) + len(report.replaced)
         out.print(f"{verb} {escape(report.source)} into {escape(report.cache)}: {len(report.added)} added, "
@@ -68,8 +68,7 @@ def cache_export(file: Annotated[Path, typer.Argument(help="Bundle file to write
     except ForgeError as exc:
         raise fail(exc, exc.exit_code) from None
     if json_out:
-        print(json.dumps({"bundle": str(file), "cache": str(db.path), "count": n,
-                          "keys": [e.key for e in entries]}, indent=2))
+        emit({"bundle": str(file), "cache": str(db.path), "count": n, "keys": [e.key for e in entries]})
     else:
         out.print(f"exported {n} entr{'y' if n == 1 else 'ies'} of {escape(str(db.path))} to {escape(str(file))}")
 
@@ -144,9 +143,8 @@ def cache_prune(
         raise fail(exc, ExitCode.CACHE) from None
     criteria = [c for c, on in (("env", env), ("stale", stale), ("older-than", older_than is not None)) if on]
     if json_out:
-        print(json.dumps({"cache": str(db.path), "dry_run": dry_run, "criteria": criteria,
-                          "older_than_days": older_than, "removed": removed,
-                          "entries": [{**entry_row(e), "reasons": r} for e, r in doomed]}, indent=2))
+        emit({"cache": str(db.path), "dry_run": dry_run, "criteria": criteria, "older_than_days": older_than,
+              "removed": removed, "entries": [{**entry_row(e), "reasons": r} for e, r in doomed]})
         return
     verb = "would remove" if dry_run else "removed"
     if doomed:

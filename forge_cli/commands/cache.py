@@ -12,6 +12,7 @@ from rich.table import Table
 
 from forge.cache import WINNING, CacheError, default_cache_path
 from forge.errors import ExitCode, UsageError
+from forge_cli.jsonout import emit
 from forge_cli.options import CacheOpt, JsonOpt
 from forge_cli.render import age, cache_exit_code, entry_row, fail, fmt_params, fmt_speedup, fmt_us, open_cache, out
 
@@ -25,7 +26,9 @@ def cache_ls(op: Annotated[str | None, typer.Option("--op", help="Only this op."
     except CacheError as exc:
         raise fail(exc, ExitCode.CACHE) from None
     if json_out:
-        print(json.dumps(rows, indent=2))
+        # An object, not the bare list of rows it was before the schema had a version: every document
+        # starts with {"version", "command"} (forge_cli/jsonout.py).
+        emit({"cache": str(db.path), "entries": rows})
         return
     table = Table(title=f"forge cache ({db.path})")
     for col in ("key", "op", "shape", "dtype", "device", "decision", "speedup", "p50 µs", "age"):
@@ -51,7 +54,7 @@ def cache_show(key: Annotated[str, typer.Argument(help="Cache key or a unique pr
     except CacheError as exc:
         raise fail(exc, cache_exit_code(exc)) from None
     if json_out:
-        print(json.dumps(asdict(e), indent=2))
+        emit(asdict(e))
         return
     meta = Table.grid(padding=(0, 2))
     r = entry_row(e)
@@ -79,7 +82,7 @@ def _outcome_counts(cands: list[dict]) -> str:
 def cache_rm(key: Annotated[str | None, typer.Argument(help="Cache key or unique prefix.")] = None,
              op: Annotated[str | None, typer.Option("--op", help="Remove every entry of this op.")] = None,
              all_: Annotated[bool, typer.Option("--all", help="Remove every entry.")] = False,
-             cache: CacheOpt = None) -> None:
+             json_out: JsonOpt = False, cache: CacheOpt = None) -> None:
     """Remove entries: one KEY, --op OP, or --all."""
     chosen = sum(x is not None and x is not False for x in (key, op, all_ or None))
     if chosen != 1:
@@ -89,12 +92,19 @@ def cache_rm(key: Annotated[str | None, typer.Argument(help="Cache key or unique
         n = db.delete(key) if key else db.delete_op(op) if op else db.delete_all()
     except CacheError as exc:
         raise fail(exc, cache_exit_code(exc)) from None
+    if json_out:
+        emit({"cache": str(db.path), "removed": n})
+        return
     out.print(f"removed {n} entr{'y' if n == 1 else 'ies'}")
 
 
-def cache_path(cache: CacheOpt = None) -> None:
+def cache_path(json_out: JsonOpt = False, cache: CacheOpt = None) -> None:
     """Print where the cache DB is."""
-    print(cache or default_cache_path())
+    path = cache or default_cache_path()
+    if json_out:
+        emit({"path": str(path)})
+        return
+    print(path)
 
 
 def register(app: typer.Typer, cache_app: typer.Typer) -> None:

@@ -3,7 +3,6 @@ kernels repository (forge.tuner.export, forge.tuner.hf_export)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +15,7 @@ from forge.errors import ForgeError, UsageError
 from forge.tuner import export as export_mod
 from forge.tuner import hf_export
 from forge.tuner import manifest as manifest_mod
+from forge_cli.jsonout import emit
 from forge_cli.options import (
     AttrOpt,
     CacheOpt,
@@ -86,7 +86,7 @@ def export_cmd(
         _report(done, skipped, json_out)
         return
     if json_out:
-        print(json.dumps(done.to_dict(), indent=2))
+        emit(done.to_dict())
         return
     out.print(f"exported {entry.op} {export_mod.default_name(entry)} ({entry.variant}) "
               f"to [bold]{done.path}[/]")
@@ -137,7 +137,7 @@ def _report(done: export_mod.Exported, skipped: list[tuple], json_out: bool) -> 
     if json_out:
         doc = done.to_dict()
         doc["skipped"] = [{"key": entry.key, "reason": reason} for entry, reason in skipped]
-        print(json.dumps(doc, indent=2))
+        emit(doc)
         return
     x = done.extra
     out.print(f"exported {len(x['keys'])} {done.function} kernel(s) to [bold]{done.path}[/]: "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import typer
@@ -10,10 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from forge import ops
+from forge_cli.jsonout import emit
 from forge_cli.options import JsonOpt
 from forge_cli.render import out
-
-OPS_JSON_VERSION = 1
 
 
 def describe(name: str) -> dict[str, Any]:
@@ -31,7 +29,7 @@ def ops_cmd(json_out: JsonOpt = False) -> None:
     """List every op family: what it computes, its attributes (with defaults) and its kernel variants."""
     rows = [describe(name) for name in sorted(ops.available())]
     if json_out:
-        print(json.dumps({"version": OPS_JSON_VERSION, "ops": rows}, indent=2))
+        emit({"ops": rows})
         return
     table = Table(title="forge op families")
     for col in ("op", "computes", "attributes (default)", "variants"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -12,10 +11,10 @@ from rich.table import Table as RichTable
 from forge.errors import UsageError
 from forge.tuner import replay
 from forge.tuner import strategy as strategies
+from forge_cli.jsonout import emit
 from forge_cli.options import JsonOpt
 from forge_cli.render import fail, out
 
-REPLAY_JSON_VERSION = 1
 TablesArg = Annotated[list[Path], typer.Argument(help="Recorded tables (JSON; forge.tuner.replay documents the "
                                                       "format).")]
 StrategiesOpt = Annotated[list[str] | None, typer.Option("--strategy", help="Strategy to replay (repeatable; "
@@ -43,13 +42,13 @@ def replay_cmd(tables: TablesArg, strategy: StrategiesOpt = None, seeds: SeedsOp
     except UsageError as exc:
         raise fail(exc, exc.exit_code) from None
     if json_out:
-        doc = {"version": REPLAY_JSON_VERSION, "fractions": list(replay.FRACTIONS), "seeds": seeds,
+        doc = {"fractions": list(replay.FRACTIONS), "seeds": seeds,
                "tables": {t.name: {"points": len(t.times), "best_us": t.best, **t.meta} for t in loaded},
                "strategies": {n: {"mean": {str(f): q for f, q in r["mean"].items()},
                                   "per_table": {tn: {str(f): q for f, q in per.items()}
                                                 for tn, per in r["per_table"].items()}}
                               for n, r in result.items()}}
-        print(json.dumps(doc, indent=2))
+        emit(doc)
         return
     table = RichTable(title=f"share of the exhaustive best found ({len(loaded)} table(s), mean of {seeds} seeds)")
     table.add_column("strategy")

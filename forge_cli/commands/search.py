@@ -3,7 +3,6 @@ with a progress bar on stderr and the candidate table (or one JSON document) on 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from forge.errors import ExitCode, ForgeError, UsageError
 from forge.tuner import batch, engine
 from forge.tuner import manifest as manifest_mod
 from forge.tuner.status import Status
+from forge_cli.jsonout import emit
 from forge_cli.options import (
     AttrOpt,
     BudgetOpt,
@@ -317,7 +317,7 @@ def search(
     except CacheError as exc:
         raise fail(exc, ExitCode.CACHE) from None
     if json_out:
-        print(json.dumps(report.to_dict(), indent=2))
+        emit(report.to_dict())
     else:
         print_report(report, top)
         if pareto:
@@ -379,12 +379,11 @@ def _search_manifest(path: Path, shard: str | None, cli: dict, force: bool, json
     estimate = batch.run_estimate(jobs, results)
     if json_out:
         covered = sum(j.share for j in jobs if j.share is not None) if estimate is not None else None
-        print(json.dumps({"manifest": str(path), "shard": list(part) if part else None, "cache": str(db.path),
-                          "executor": executor, "devices": device_list, "wall_s": wall,
-                          "time_budget_s": m.time_budget, "jobs": len(jobs), "total_jobs": len(m.jobs),
-                          "failed": len(failed), "skipped": sum(r.status == "skipped" for r in results),
-                          "covered_share": covered, "estimated_speedup": estimate,
-                          "entries": [r.to_dict() for r in results]}, indent=2))
+        emit({"manifest": str(path), "shard": list(part) if part else None, "cache": str(db.path),
+              "executor": executor, "devices": device_list, "wall_s": wall, "time_budget_s": m.time_budget,
+              "jobs": len(jobs), "total_jobs": len(m.jobs), "failed": len(failed),
+              "skipped": sum(r.status == "skipped" for r in results), "covered_share": covered,
+              "estimated_speedup": estimate, "entries": [r.to_dict() for r in results]})
     else:
         spread = device_list is not None or executor == "ray"
         print_manifest_run(path, part, m, jobs, results, spread, db.path, wall, estimate)

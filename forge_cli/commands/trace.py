@@ -18,6 +18,7 @@ from rich.table import Table
 from forge.cache import WINNING, CacheError
 from forge.errors import ExitCode, ForgeError, UsageError
 from forge.tuner import batch, engine, kernelbench, manifest, tracetools
+from forge_cli.jsonout import emit
 from forge_cli.options import (
     BudgetOpt,
     CacheOpt,
@@ -118,7 +119,7 @@ def trace_cmd(
         "manifest": str(write_manifest) if write_manifest else None,
     }
     if json_out:
-        print(json.dumps(doc, indent=2, default=str))
+        emit(doc, default=str)
     else:
         print_trace(doc)
     if ver is not None and not ver["ok"]:
@@ -223,7 +224,7 @@ def _trace_dir(directory: Path, input_, device, dtype, profile: bool, write_mani
         raise fail(exc, ExitCode.CACHE) from None
     doc = {"directory": str(directory), "cache": str(db.path), **doc}
     if json_out:
-        print(json.dumps(doc, indent=2, default=str))
+        emit(doc, default=str)
     else:
         print_dir(doc)
     # A forge kernel that changed a problem's output is a bug in forge (exit 1, as --verify); problems that
