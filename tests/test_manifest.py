@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from forge.errors import UsageError
+from forge.tuner import strategy
 from forge.tuner.manifest import Job, ManifestError, load, parse_shard, shard
 from forge_cli import cli
 from tests.conftest import ROOT
@@ -44,7 +45,7 @@ def test_precedence_cli_over_env_over_entry_over_defaults_over_builtin(tmp_path)
     p = write(tmp_path, doc)
     m = load(p, env={})
     assert [j.budget for j in m.jobs] == [10, 20]  # entry > [defaults]
-    assert [j.seed for j in m.jobs] == [3, 3] and m.jobs[0].strategy == "grid"  # built-in
+    assert [j.seed for j in m.jobs] == [3, 3] and m.jobs[0].strategy == strategy.DEFAULT == "evolve"  # built-in
     m = load(p, env={"FORGE_BUDGET": "7"})
     assert [j.budget for j in m.jobs] == [7, 7]  # environment > entry
     m = load(p, cli={"budget": 5}, env={"FORGE_BUDGET": "7"})

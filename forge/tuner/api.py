@@ -19,10 +19,11 @@ from forge.cache import Cache, default_cache_path
 from forge.errors import UsageError
 from forge.spec import KernelSpec
 from forge.tuner import engine
+from forge.tuner import strategy as strategies
 
 
 def search(op: str | KernelSpec, shape: tuple[int, ...] | None = None, dtype: str = "float16", *,
-           device: str | None = None, budget: int | None = None, strategy: str = "grid",
+           device: str | None = None, budget: int | None = None, strategy: str | None = None,
            cache: Cache | str | os.PathLike | None = None, force: bool = False, seed: int = 0, timeout: float = 120.0,
            workers: int | None = None, events: engine.Events | None = None, effort: str = "default",
            **attrs: Any) -> engine.SearchReport:
@@ -49,7 +50,8 @@ def search(op: str | KernelSpec, shape: tuple[int, ...] | None = None, dtype: st
 
     if effort not in EFFORT_BUDGET:
         raise UsageError(f"effort={effort!r}: expected one of {', '.join(EFFORT_BUDGET)}")
-    options = engine.SearchOptions(budget=EFFORT_BUDGET[effort] if budget is None else budget, strategy=strategy,
+    options = engine.SearchOptions(budget=EFFORT_BUDGET[effort] if budget is None else budget,
+                                   strategy=strategy or strategies.DEFAULT,
                                    seed=seed, force=force, timeout=timeout, workers=workers)
     db, own = _open(cache)
     try:

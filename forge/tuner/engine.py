@@ -34,6 +34,7 @@ from forge.tuner import memory, notify, pareto, stats, strategy
 from forge.tuner.lock import device_lock
 from forge.tuner.pool import Pool, capped_size, default_size
 from forge.tuner.status import Status
+from forge.tuner.strategy import DEFAULT as DEFAULT_STRATEGY
 from forge.tuner.validate import TORCH_OP_PATH, TORCH_OP_VARIANT
 from forge.tuner.worker import CANDIDATE
 
@@ -68,7 +69,7 @@ SAMPLING = {
 @dataclass
 class SearchOptions:
     budget: int = 50
-    strategy: str = "grid"
+    strategy: str = DEFAULT_STRATEGY  # forge/tuner/strategy.py says why
     seed: int = 0
     force: bool = False
     timeout: float = 120.0

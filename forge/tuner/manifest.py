@@ -6,7 +6,7 @@ Format (docs/manifest.md, forge.toml.example):
     device = "cuda"            # cuda | cpu
     dtype = "bfloat16"
     budget = 50
-    strategy = "grid"          # grid | random | evolve
+    strategy = "evolve"        # evolve (default) | grid | random | llm
     seed = 0
     timeout = 120              # seconds per candidate
     workers = 8
@@ -49,7 +49,7 @@ from forge.errors import UsageError, cut, shown
 from forge.spec import DTYPES, canonical_json, parse_shape
 from forge.tuner import strategy
 
-BUILTIN = {"device": None, "dtype": "float16", "budget": 50, "strategy": "grid", "seed": 0, "timeout": 120.0,
+BUILTIN = {"device": None, "dtype": "float16", "budget": 50, "strategy": strategy.DEFAULT, "seed": 0, "timeout": 120.0,
            "workers": None, "time_budget": None, "effort": "default"}
 ENV = {"device": "FORGE_DEVICE", "dtype": "FORGE_DTYPE", "budget": "FORGE_BUDGET", "strategy": "FORGE_STRATEGY",
        "seed": "FORGE_SEED", "timeout": "FORGE_TIMEOUT", "workers": "FORGE_WORKERS",
