@@ -49,7 +49,7 @@ BudgetOpt = Annotated[int | None, typer.Option("--budget", help="Maximum number 
                                                                 "effort's: 50).")]
 EffortOpt = Annotated[str | None, typer.Option("--effort", help="quick (12 candidates), default (50) or full (every "
                                                                 "valid point); an explicit --budget wins.")]
-StrategyOpt = Annotated[str | None, typer.Option("--strategy", help="grid, random or evolve (default: grid; "
+StrategyOpt = Annotated[str | None, typer.Option("--strategy", help="grid, random, evolve or halving (default: grid; "
                                                                     "forge replay compares them).")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for --strategy random and the test inputs "
                                                             "(default: 0).")]
