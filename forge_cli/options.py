@@ -49,8 +49,8 @@ BudgetOpt = Annotated[int | None, typer.Option("--budget", help="Maximum number 
                                                                 "effort's: 50).")]
 EffortOpt = Annotated[str | None, typer.Option("--effort", help="quick (12 candidates), default (50) or full (every "
                                                                 "valid point); an explicit --budget wins.")]
-StrategyOpt = Annotated[str | None, typer.Option("--strategy", help="evolve, grid, random or llm (default: evolve, "
-                                                                    "the best on the H200's replay tables; "
+StrategyOpt = Annotated[str | None, typer.Option("--strategy", help="evolve, grid, random, halving or llm (default: "
+                                                                    "evolve, the best on the H200's replay tables; "
                                                                     "forge replay compares them).")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for --strategy random and evolve and the test inputs "
                                                             "(default: 0).")]

@@ -15,6 +15,7 @@ engine never prints.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -103,6 +104,9 @@ class CandidateResult:
     label: str | None = None  # the torch-op candidate: which torch call it is (forge/fused.py)
     gpu_seconds: float = 0.0  # its workers' time compiling, validating and timing it (forge/tuner/pareto.py)
     tokens: int = 0  # an LLM proposer's tokens for it (its round's, shared over the round's candidates)
+    # A strategy with rungs (successive halving): the last rung it was timed in (its `screen` is that rung's);
+    # None where no rung timed it, or the strategy has none.
+    rung: int | None = None
 
     @property
     def best_quantiles(self) -> stats.Quantiles | None:
@@ -121,6 +125,7 @@ class CandidateResult:
             "final": self.final.to_dict() if self.final else None,
             "speedup": stats.speedup(q, baseline),
             "cost": {"gpu_seconds": round(self.gpu_seconds, 4), "tokens": self.tokens},
+            **({"rung": self.rung} if self.rung is not None else {}),
         }
 
 
@@ -151,6 +156,8 @@ class SearchReport:
     pareto: dict[str, Any] | None = None  # speed against cost (forge/tuner/pareto.py); None on a cache hit
     # How the screening's p50 of each finalist compares with its final p50 (screen_to_final()); None on a hit.
     screening: dict[str, Any] | None = None
+    # A strategy with rungs: each rung's rounds (and share kept), the candidates timed in each, those kept.
+    halving: dict[str, Any] | None = None
 
     @property
     def backend(self) -> str:
@@ -186,6 +193,7 @@ class SearchReport:
             **({"llm": self.llm} if self.llm is not None else {}),
             **({"pareto": self.pareto} if self.pareto is not None else {}),
             **({"screening": self.screening} if self.screening is not None else {}),
+            **({"halving": self.halving} if self.halving is not None else {}),
         }
 
 
@@ -568,11 +576,17 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
         emit("baseline", quantiles=q)
         return q
 
-    def screen(group: list[CandidateResult], settle: bool) -> None:
-        """Time a group interleaved with eager (_time_together); a member that fails is recorded and the
-        rest are timed again without it."""
-        reply, timed = _time_together(pool, group, sampling.screen_reps, sampling.settle_ms if settle else 0.0,
-                                      opts.timeout, mem, "timing (forge's timing sets)")
+    # A strategy with rungs (successive halving, strategy.Halving): [(rounds, share kept)] per rung; [] without.
+    plan = _rung_plan(getattr(strat, "rungs", None), sampling.screen_reps)
+    halving = ({"rungs": [{"rounds": n, **({"keep": round(k, 4)} if k is not None else {})} for n, k in plan],
+                "timed": [0] * len(plan), "kept": [0] * (len(plan) - 1)} if plan else None)
+
+    def screen(group: list[CandidateResult], settle: bool, rounds: int | None = None) -> None:
+        """Time a group interleaved with eager (_time_together), `rounds` rounds (default: the screening's); a
+        member that fails is recorded and the rest are timed again without it."""
+        reply, timed = _time_together(pool, group, rounds or sampling.screen_reps,
+                                      sampling.settle_ms if settle else 0.0, opts.timeout, mem,
+                                      "timing (forge's timing sets)")
         for r in group:
             if r in timed:
                 r.screen = stats.Quantiles.of(reply["samples"][r.path])
@@ -580,16 +594,47 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
                 r.gpu_seconds += reply.get("seconds", 0.0) / len(timed)
             emit("timed", result=r)
 
-    def screen_all(cands: list[Candidate]) -> bool:
-        """Screen the valid ones in groups of sampling.screen_group (the GPU settled before the first, the
-        rest back to back); False if the deadline stopped it (the rest marked not timed)."""
-        todo = [results[c] for c in cands if results[c].status == Status.OK]
+    def screen_groups(todo: list[CandidateResult], settle: bool, rounds: int | None = None,
+                      rung: int | None = None) -> bool:
+        """Screen `todo` in groups of sampling.screen_group (the GPU settled before the first when `settle`, the
+        rest back to back); False if the deadline stopped it (the rest marked not timed, or not re-timed)."""
         for i in range(0, len(todo), sampling.screen_group):
             if out_of_time():
                 for r in todo[i:]:
-                    r.reason = "not timed: the time budget ran out"
+                    r.reason = ("not timed: the time budget ran out" if r.screen is None else
+                                f"not re-timed with {rounds} rounds: the time budget ran out (ranked by its "
+                                f"{r.screen.n}-round screening)")
                 return False
-            screen(todo[i:i + sampling.screen_group], settle=i == 0)
+            group = todo[i:i + sampling.screen_group]
+            screen(group, settle=settle and i == 0, rounds=rounds)
+            if rung is not None:
+                for r in group:
+                    r.rung = rung
+                halving["timed"][rung] += sum(r.screen is not None for r in group)
+        return True
+
+    def screen_all(cands: list[Candidate]) -> bool:
+        """Screen the valid ones (screen_groups); with rungs, every one with rung 0's rounds, then the best share
+        of those timed (_screen_rank, never fewer than the finalists + 1) with the next rung's, and so on. A cut
+        that would keep all, or that takes as many rounds as the next rung, is skipped (it would only spend
+        samples). False if the deadline stopped it: the search decides from what was timed."""
+        todo = [results[c] for c in cands if results[c].status == Status.OK]
+        if not plan:
+            return screen_groups(todo, settle=True)
+        first = True  # the first rung timed settles the GPU and is the progress bar's timing of each candidate
+        for rung, (rounds, keep) in enumerate(plan):
+            if keep is not None and (rounds >= plan[rung + 1][0]
+                                     or _kept(len(todo), keep, opts.finalists) >= len(todo)):
+                continue
+            if not first:
+                emit("retime", rung=rung, rounds=rounds, size=len(todo))
+            if not screen_groups(todo, settle=first, rounds=rounds, rung=rung):
+                return False
+            first = False
+            if keep is not None:
+                todo = sorted((r for r in todo if r.screen is not None), key=_screen_rank)
+                todo = todo[:_kept(len(todo), keep, opts.finalists)]
+                halving["kept"][rung] += len(todo)
         return True
 
     try:
@@ -683,6 +728,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
         report.llm = strat.usage()
     report.pareto = pareto.frontier(summary, opts.pareto_lambda)
     report.screening = screen_to_final(results.values(), sampling, baseline)
+    report.halving = halving
     if decision in WINNING or (decision == "eager" and cut_short is None):
         cache.put(Entry(
             key=key, op=op.name, spec=spec.to_dict(), env=env, decision=decision,
@@ -705,6 +751,31 @@ def _screen_rank(r: CandidateResult) -> float:
     """A screened candidate's p50 against eager's in its own group: groups timed at different moments rank
     on one scale even if the clock moved between them."""
     return r.screen.p50 / r.screen_eager if r.screen_eager else r.screen.p50
+
+
+def _finalist_rank(r: CandidateResult) -> tuple:
+    """Finalists come from the highest rung a candidate was timed in (with rungs: the kept ones, on their fuller
+    screening, before those a cut left behind), then by _screen_rank; without rungs, by _screen_rank alone."""
+    return -(r.rung or 0), _screen_rank(r)
+
+
+# A rung's fewest rounds: with fewer, a p50 is one sample or the mean of two.
+RUNG_MIN_ROUNDS = 3
+
+
+def _rung_plan(rungs, screen_reps: int) -> list[tuple[int, float | None]]:
+    """A strategy's rungs ((share of the screening's rounds, share kept) per rung before the last) as [(rounds,
+    share kept)] on this backend, the last rung the full screening (share kept None); [] without rungs."""
+    if not rungs:
+        return []
+    cuts = [(min(screen_reps, max(RUNG_MIN_ROUNDS, round(screen_reps * share))), keep) for share, keep in rungs]
+    return [*cuts, (screen_reps, None)]
+
+
+def _kept(n: int, share: float, finalists: int) -> int:
+    """How many of n timed candidates a rung keeps: its share, rounded up, never fewer than the finalists + 1 (the
+    final then still chooses), never more than n. (The 1e-9: 50 x 0.14 = 7.000000000000001 must not round up to 8.)"""
+    return min(n, max(math.ceil(n * share - 1e-9), finalists + 1))
 
 
 def _time_together(pool: Pool, group: list[CandidateResult], rounds: int, settle_ms: float, timeout: float,
@@ -762,7 +833,7 @@ def _decide(pool: Pool, results: dict[Candidate, CandidateResult], baseline, sam
     """Finalists (top by screening p50 against eager's in their group) re-timed in alternation with eager;
     the best is accepted only if p80(candidate) < p20(eager) / 1.03. Returns (decision, winner, source,
     baseline)."""
-    timed = sorted((r for r in results.values() if r.screen is not None), key=_screen_rank)
+    timed = sorted((r for r in results.values() if r.screen is not None), key=_finalist_rank)
     if not timed:
         return "none", None, None, baseline
     finalists = timed[: opts.finalists]

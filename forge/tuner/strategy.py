@@ -196,6 +196,28 @@ class Evolve:
         return out
 
 
+@register("halving")
+class Halving(Grid):
+    """Successive halving (issue 17): grid's proposals (the whole budget at once, every variant, the op's default
+    first) timed in rungs: every valid candidate is screened with a fraction of the screening's rounds, the best
+    fraction of them (ranked against eager's p50 in their own group, as the finalists are) is screened again with
+    the full rounds, and the finalists are picked from those. The engine runs the rungs (engine.py, screen_all);
+    replay, which has one recorded time per candidate, sees grid's proposals. Deterministic: the seed is not used.
+
+    RUNGS: per rung before the last, (its share of the screening's rounds, the share of its candidates kept for
+    the next rung); the last rung takes the full rounds. One cut with eta = 3 (keep a third), the classic choice:
+    on the H200 tables (bench/results/h200-tables-2026-12-04, grid's 50 proposals) the fastest candidate a
+    one-third cut drops is 11-154% slower than the best, while screening estimates were within 2% of the final
+    with 30 rounds; a quarter of them (8) roughly doubles a p50's noise (sqrt(30/8)), still far inside that gap.
+    A second cut would screen with 30/9 ~ 3 rounds: the engine's floor, a median that is barely one. The
+    engine never keeps fewer than the finalists + 1, so the final still chooses among the cut's survivors."""
+
+    RUNGS = ((0.25, 1 / 3),)
+
+    def __init__(self, first: Candidate | None = None, *, seed: int = 0):
+        super().__init__(first, seed=seed)
+        self.rungs = self.RUNGS
+
 # The default strategy. Replayed on the H200's exhaustive tables (bench/results/h200-tables-2026-12-04, 9
 # op-shapes: norms, softmax, cross-entropy, gelu, rope, matmul, sdpa; `forge replay ... --seeds 5`), mean share
 # of the exhaustive best at 10 / 25 / 50% of the space: evolve 0.983 / 0.997 / 0.999, grid 0.967 / 0.976 /

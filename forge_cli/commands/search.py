@@ -76,6 +76,10 @@ class ProgressEvents:
         elif kind == "batch":
             self.total += 2 * data["size"]
             p.update(self.task, total=self.total, description=f"{self.label} validating + timing".strip())
+        elif kind == "retime":  # successive halving: the kept candidates timed again, with more rounds
+            self.total += data["size"]
+            p.update(self.task, total=self.total, description=f"{self.label} re-timing the best {data['size']} "
+                                                               f"({data['rounds']} rounds)".strip())
         elif kind in ("validated", "timed"):
             adv = 2 if kind == "validated" and data["result"].status != Status.OK else 1
             p.update(self.task, advance=adv)
