@@ -6,7 +6,7 @@ Format (docs/manifest.md, forge.toml.example):
     device = "cuda"            # cuda | cpu
     dtype = "bfloat16"
     budget = 50
-    strategy = "evolve"        # evolve (default) | grid | random | halving | llm
+    strategy = "evolve"        # evolve (default) | grid | random | halving
     seed = 0
     timeout = 120              # seconds per candidate
     workers = 8
