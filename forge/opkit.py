@@ -606,6 +606,15 @@ GEMM_GPU_GRID = {
               "GROUP_M": [1, 8], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5]},
     "splitk": {"BLOCK_M": [16, 32, 64], "BLOCK_N": [32, 64, 128], "BLOCK_K": [32, 64, 128, 256],
                "SPLIT_K": [2, 4, 8, 16, 32], "num_warps": [2, 4, 8], "num_stages": [2, 3, 4]},
+    # matmul's "persistent" (TMA descriptor loads, one program per SM looping over tiles; kernels/matmul.py):
+    # the large tiles of the tiled grid only (BLOCK_M >= 64: one Hopper warpgroup MMA is 64 rows; smaller
+    # tiles are what `tiled` is for), always grouped (concurrent programs walk neighbouring tiles, the
+    # point of GROUP_M), and the loop flattened or not (tl.range(flatten=): the compiler pipelines the
+    # flattened tile x K loop across tile boundaries, as triton's persistent tutorial does on Hopper; not
+    # yet measured here). 196 points at 4096^3 bf16 (84 in fp32), next to tiled's 748: affordable in a
+    # budget-50 search.
+    "persistent": {"BLOCK_M": [64, 128, 256], "BLOCK_N": [64, 128, 256], "BLOCK_K": [32, 64, 128],
+                   "GROUP_M": [8], "num_warps": [4, 8], "num_stages": [3, 4, 5], "FLATTEN": [False, True]},
 }
 # The interpreter: small blocks (it is slow at tl.dot), and no pipelining (num_stages means nothing).
 GEMM_CPU_GRID = {
@@ -613,6 +622,9 @@ GEMM_CPU_GRID = {
               "num_warps": [4], "num_stages": [1]},
     "splitk": {"BLOCK_M": [16], "BLOCK_N": [16, 32], "BLOCK_K": [16, 32], "SPLIT_K": [2, 4],
                "num_warps": [4], "num_stages": [1]},
+    # FLATTEN has no meaning on the interpreter (its loop is rendered differently: matmul_persistent.j2).
+    "persistent": {"BLOCK_M": [16, 32], "BLOCK_N": [16, 32], "BLOCK_K": [16, 32], "GROUP_M": [2],
+                   "num_warps": [4], "num_stages": [1], "FLATTEN": [False]},
 }
 # fp32 accumulator values per thread: above 128 (of 255 registers) the A/B fragments and addresses
 # no longer fit and the kernel spills; below 4 a warp covers less than one MMA instruction's tile.
@@ -666,6 +678,10 @@ def gemm_space(dims: tuple[int, int, int, int], device: str, dtype: str, variant
         if c.variant == "tiled":
             # Grouping only reorders programs when there are several tile rows and columns.
             return p["GROUP_M"] == 1 or (-(-m // bm) > 1 and -(-n // bn) > 1)
+        if c.variant == "persistent":
+            # One program per SM only differs from `tiled` when some program gets more than one tile
+            # (the interpreter's nominal SMs are few: there it is always worth rendering).
+            return not on_gpu or tiles > hardware.GPU_SMS
         split = p["SPLIT_K"]
         per_split = -(-k_blocks // split)
         if -(-k_blocks // per_split) != split:  # some splits would get no K at all

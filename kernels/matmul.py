@@ -13,18 +13,25 @@ Variants:
   splitk  for few output tiles and a long K (decode: 1 x 4096 x 4096): SPLIT_K programs per tile each
           reduce a slice of K into an fp32 workspace, and a second kernel sums the slices in a fixed
           order (deterministic: no atomics) and casts to the output dtype.
+  persistent  min(#tiles, #SMs) programs, each looping over output tiles (GROUP_M-swizzled, as tiled),
+          A and B loaded and C stored through TMA tensor descriptors (Hopper's bulk copy engine: no
+          per-element address arithmetic, OOB rows/columns zero-filled and clipped in hardware). The
+          structure of triton's persistent-matmul tutorial, which is where Triton reaches cuBLAS on
+          H100/H200. Valid only where TMA's rules hold (_tma_ok): 2-D, last strides 1, the other strides
+          16-byte multiples (K and N multiples of 8 in bf16/fp16, of 4 in fp32). Not yet measured on the
+          H200 (issue 16).
 """
 
 from __future__ import annotations
 
 import math
 
-from forge import opkit
+from forge import hardware, opkit
 from forge.spec import KernelSpec, TensorSpec
 
 NAME = "matmul"
 SUMMARY = "A @ B (mm, bmm; no broadcasting)"
-TEMPLATES = {"tiled": "matmul_tiled.j2", "splitk": "matmul_splitk.j2"}
+TEMPLATES = {"tiled": "matmul_tiled.j2", "splitk": "matmul_splitk.j2", "persistent": "matmul_persistent.j2"}
 DEFAULT_ATTRS: dict = {}
 # The default oracle (float64 A @ B) runs on blocks of A's rows x B's columns, its memory bounded
 # (forge/ops.py, opkit.oracle_in_chunks).
@@ -34,9 +41,15 @@ ORACLE_CHUNK = "matmul"
 # dimension, a single element, a batch, a decode-like row with a long K, and a K that the tested
 # BLOCK_K values divide (the unmasked EVEN_K loop).
 TEST_SHAPES = [(1, 1, 1), (7, 5, 3), (33, 17, 40), (2, 31, 20, 19), (1, 64, 300), (3, 20, 64)]
-# For tests/test_templates.py's render-every-point test: a shape with points of both variants on both
-# devices (16 rows of 1024 columns: few tiles, so split-K is in the GPU space too).
-MID_SHAPE = (16, 1024, 1024)
+# ... and one where the persistent variant is valid in every dtype (N and K multiples of 8: TMA's 16-byte
+# strides), with partial tiles in M, N and K (TMA's zero fill and clipped stores) and more tiles than the
+# interpreter's programs (CPU_SMS), so that programs loop and the last ones get fewer tiles.
+TEST_SHAPES.append((33, 24, 40))
+# For tests/test_templates.py's render-every-point test: a shape with points of every variant on both
+# devices: few enough 64x128 tiles (128) that split-K is in the GPU space, more than the SMs' worth of
+# 64x64 ones (256) for the persistent variant. (It was 16x1024x1024 before the persistent variant, which
+# has no GPU points there; that shape's golden renders are kept in tests/test_golden.py.)
+MID_SHAPE = (256, 4096, 1024)
 
 # The SM count (hardware.GPU_SMS) only bounds which split-K points are worth timing (space(): when the
 # tiled grid fills the GPU); the pipelined A and B tiles must fit hardware.SMEM_PER_PROGRAM. The space,
@@ -154,7 +167,46 @@ CPU_GRID = opkit.GEMM_CPU_GRID
 
 
 def space(spec: KernelSpec) -> opkit.Space:
-    return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype)
+    variants = ("tiled", "splitk", "persistent") if _tma_ok(spec) else ("tiled", "splitk")
+    return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype, variants=variants)
+
+
+# TMA (cuTensorMapEncodeTiled, and triton's TensorDescriptor asserts the same on the host): a 16-byte
+# aligned base, every stride but the last a multiple of 16 bytes, the last stride 1.
+TMA_ALIGN = 16
+
+
+def _tma_ok(spec: KernelSpec) -> bool:
+    """Whether the persistent (TMA) variant may render for this spec: 2-D operands (bmm would need 3-D
+    descriptors whose tiles must not cross a batch: left to `tiled`), and A (M, K), B (K, N) and the
+    contiguous C (M, N) each with a last stride of 1 and a 16-byte multiple as the row stride: so K and
+    N must be multiples of 8 (bf16/fp16) or 4 (fp32), and a transposed operand (x @ w.t(): B's last
+    stride is K) is excluded. The base pointers are the shim's concern: it runs only 16-byte aligned
+    inputs through forge's kernels (forge/shim.py ALIGNMENT), and the output is freshly allocated.
+
+    Hopper (compute capability >= 9.0) is where the descriptors become TMA copies; the spec does not name
+    the GPU (the cache key's environment does), so this cannot gate on it. On an older GPU triton either
+    lowers the descriptor loads to ordinary loads or fails to compile, and the engine records a failed
+    candidate, so the search stays correct either way. The interpreter (triton 3.6 and 3.9) implements
+    the descriptors in software: the tests run the variant there."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401 - the API this needs
+    except ImportError:  # a triton without host-side descriptors
+        return False
+    a, b = spec.inputs
+    if len(a.shape) != 2:
+        return False
+    m, k = a.shape
+    n = b.shape[-1]
+    item = a.itemsize
+
+    def rows_ok(shape, strides) -> bool:
+        # A size-1 dim's stride never matters (and is not checked by the shim): the descriptor is
+        # built with the spec's strides, which only need to satisfy TMA for the dims that are real.
+        return strides[-1] == 1 and (shape[0] == 1 or strides[0] * item % TMA_ALIGN == 0)
+
+    return (k * item % TMA_ALIGN == 0 and n * item % TMA_ALIGN == 0 and m >= 1
+            and rows_ok(a.shape, a.strides) and rows_ok(b.shape, b.strides))
 
 
 def problem_shape(spec: KernelSpec) -> tuple[int, ...]:
@@ -178,6 +230,7 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     # Triton <= 3.6's interpreter cannot take a runtime loop bound (see opkit.row_render_context):
     # there K (and the split length) are passed as constexprs; CUDA sources keep them runtime.
     ctx["K_CONSTEXPR"] = spec.device != "cuda"
+    ctx["CPU_SMS"] = hardware.CPU_SMS
     ctx.update(opkit.gemm_dot_context(spec.dtype, spec.device))
     # Strided operands (only specs that have them render this addressing; contiguous renders are as before):
     # A's (batch, m, k) and B's (batch, k, n) strides as literals, a batch stride of 0 for 2-D operands.
@@ -188,6 +241,11 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
         sb = (0, *b.strides) if len(b.shape) == 2 else b.strides
         ctx.update(SAB=sa[0], SAM=sa[1], SAK=sa[2], SBB=sb[0], SBK=sb[1], SBN=sb[2],
                    A_STRIDES=tuple(a.strides), B_STRIDES=tuple(b.strides))
+    if cand.variant == "persistent":
+        # The descriptors' strides: the spec's, except that a leading dim of size 1 (whose stride the
+        # shim does not check and TMA never steps) gets the row length, which _tma_ok made 16-byte aligned.
+        ctx.update(A_DESC_STRIDES=[a.strides[0] if a.shape[0] > 1 else a.shape[1], 1],
+                   B_DESC_STRIDES=[b.strides[0] if b.shape[0] > 1 else b.shape[1], 1])
     ctx["kernel_name"] = f"forge_{NAME}_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx
@@ -230,15 +288,22 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
     interpreter is slow at tl.dot): 16-wide M/N tiles leave partial tiles in M and N; BLOCK_K 16 (32
     for K >= 64, fewer interpreted steps) leaves a K tail, except at 3x20x64 (the unmasked EVEN_K
     loops); GROUP_M=2 over 3 tile rows (33x17x40) leaves a partial last group; split-K with more
-    splits than K blocks leaves empty splits, whose partials must be 0. More block sizes are covered
+    splits than K blocks leaves empty splits, whose partials must be 0. The persistent variant where
+    TMA allows it in every dtype (the test runs these candidates in all three: N and K multiples of 8,
+    2-D), its 16-wide tiles over GROUP_M=2 leaving partial tiles and groups. More block sizes are covered
     in tests/test_op_matmul.py."""
-    k = problem_shape(spec)[-1]
+    shape = problem_shape(spec)
+    k = shape[-1]
     bk = 32 if k >= 64 else 16
     split = 2 if k % (2 * bk) == 0 or math.ceil(k / bk) > 2 else 4
-    return [opkit.Candidate.make("tiled", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=2, num_warps=4,
-                                 num_stages=1),
-            opkit.Candidate.make("splitk", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=4,
-                                 num_stages=1)]
+    out = [opkit.Candidate.make("tiled", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=2, num_warps=4,
+                                num_stages=1),
+           opkit.Candidate.make("splitk", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=4,
+                                num_stages=1)]
+    if len(shape) == 3 and shape[1] % 8 == 0 and k % 8 == 0 and spec.inputs[0].contiguous and spec.inputs[1].contiguous:
+        out.append(opkit.Candidate.make("persistent", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=2, num_warps=4,
+                                        num_stages=1, FLATTEN=False))
+    return out
 
 
 # -- recognising matmul in user code (forge/trace.py canonical forms) --------------------------------

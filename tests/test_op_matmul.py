@@ -39,6 +39,11 @@ def tiled(bm=16, bn=16, bk=16, group=1) -> Candidate:
                           num_stages=STAGES)
 
 
+def persistent(bm=16, bn=16, bk=16, group=2) -> Candidate:
+    return Candidate.make("persistent", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=4,
+                          num_stages=STAGES, FLATTEN=False)
+
+
 def splitk(split, bm=16, bn=16, bk=16) -> Candidate:
     return Candidate.make("splitk", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4,
                           num_stages=STAGES)
@@ -395,7 +400,8 @@ def test_every_point_renders_to_a_distinct_module(device):
     shape = (1, 4096, 4096) if device == "cuda" else (33, 17, 40)
     spec = MOD.make_spec(shape, "bfloat16", device)
     points = list(MOD.space(spec).all_points())
-    assert {c.variant for c in points} == set(MOD.TEMPLATES)
+    # N = 17 (cpu) and one row of tiles (cuda): no persistent points there (its tests are below)
+    assert {c.variant for c in points} == set(MOD.TEMPLATES) - {"persistent"}
     sources = set()
     for cand in points:
         src = codegen.render(OP, spec, cand)
@@ -431,3 +437,89 @@ def test_decorated_bmm_equals_eager_after_a_search(monkeypatch):
     g = forge.optimize(at, interpreter=True)
     assert forge.explain(g, a2, b2).uses == "kernel"
     assert torch.allclose(g(a2, b2), a2 @ b2, rtol=1e-4, atol=1e-5)
+
+
+# --- persistent (TMA descriptors) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,dtype,cand", [
+    ((32, 48, 64), "bfloat16", persistent(bk=32)),          # whole tiles; 6 tiles over 4 programs: 2 loop
+    ((64, 64, 128), "float16", persistent(32, 32, 32)),     # whole tiles, 4 K steps
+    ((64, 64, 128), "float32", persistent(bm=32)),
+    ((40, 24, 32), "float32", persistent()),                # partial tiles in M and N (zero fill, clipped store)
+    ((33, 16, 32), "bfloat16", persistent(group=8)),        # one partial row of tiles; a group wider than M
+    ((33, 24, 40), "float16", persistent(32, 32, 32)),      # partial tiles in M, N and K (K tail of 8)
+])
+def test_persistent_matches_the_oracle(shape, dtype, cand, tmp_path):
+    spec = MOD.make_spec(shape, dtype, DEVICE)
+    assert cand.variant in MOD.space(spec).variants  # TMA-valid
+    module = _module(spec, cand, tmp_path)
+    assert check_candidate(MOD, module, spec, SEED, _sync) is None
+    out, ref = _run(spec, module)
+    tol = MOD.tolerance_for(spec)
+    assert compare(out, ref, tol) is None
+    assert compare(out[-1:, :], ref[-1:, :], tol) is None  # the partial last tile row and column
+    assert compare(out[:, -1:], ref[:, -1:], tol) is None
+
+
+def test_persistent_on_a_strided_but_tma_valid_layout(tmp_path):
+    """A's rows padded to 48 elements (a slice of a wider matrix): last stride 1, row stride 96 bytes."""
+    spec = MOD.make_spec((20, 16, 40), "float16", DEVICE)
+    a, b = spec.inputs
+    spec = type(spec)(spec.op, (type(a)(a.shape, a.dtype, (48, 1), a.device), b), spec.attrs)
+    assert "persistent" in MOD.space(spec).variants
+    src = codegen.render(OP, spec, persistent())
+    assert "TensorDescriptor(a, [m, k], [48, 1]" in src
+    module = load_module(write_source(src, tmp_path))
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(20, 48, generator=gen).to(torch.float16).to(DEVICE)
+    x, w = wide[:, :40], torch.randn(40, 16, generator=gen).to(torch.float16).to(DEVICE)
+    out = torch.empty(20, 16, dtype=torch.float16, device=DEVICE)
+    module.launch(x, w, out)
+    _sync()
+    torch.testing.assert_close(out.float(), (x.double() @ w.double()).float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("shape,dtype,why", [
+    ((33, 17, 40), "float32", "N = 17: rows of B and C are 68 bytes"),
+    ((32, 20, 64), "bfloat16", "N = 20: 40-byte rows"),
+    ((32, 16, 36), "float16", "K = 36: 72-byte rows of A"),
+    ((32, 32, 30), "float32", "K = 30: 120-byte rows of A"),
+    ((1, 1, 1), "float32", "1-element rows"),
+    ((2, 32, 32, 32), "float16", "batched: not a 2-D descriptor"),
+])
+def test_persistent_is_excluded_where_tma_cannot_load(shape, dtype, why):
+    for device in ("cuda", "cpu"):
+        sp = MOD.space(MOD.make_spec(shape, dtype, device))
+        assert "persistent" not in sp.variants, why
+        assert all(c.variant != "persistent" for c in sp.all_points()), why
+
+
+@pytest.mark.parametrize("strides,ok", [
+    (((1, 64), (32, 1)), False),      # A transposed (a.t() of a K x M matrix): A's last stride is M
+    (((64, 1), (1, 64)), False),      # x @ w.t(): B's last stride is K
+    (((72, 1), (32, 1)), True),       # A's rows padded to 72 elements (144 bytes): still 16-byte aligned
+    (((68, 1), (32, 1)), False),      # rows padded to 68 elements (136 bytes): not
+])
+def test_persistent_needs_unit_last_strides_and_aligned_rows(strides, ok):
+    spec = MOD.make_spec((64, 32, 64), "bfloat16", "cuda")
+    a, b = spec.inputs
+    spec = type(spec)(spec.op, (type(a)(a.shape, a.dtype, strides[0], a.device),
+                                type(b)(b.shape, b.dtype, strides[1], b.device)), spec.attrs)
+    assert ("persistent" in MOD.space(spec).variants) == ok
+
+
+def test_persistent_gpu_space_is_modest_and_large_tiled():
+    """A budget-50 search of 4096^3 bf16 must still be able to sample it: at most 200 points, >= 64-row
+    tiles (a Hopper warpgroup MMA), within the shared-memory and register rules (checked above for every
+    point), and none where the tiles would not outnumber the SMs (then it is just `tiled`)."""
+    pts = MOD.space(MOD.make_spec((4096, 4096, 4096), "bfloat16", "cuda")).points("persistent")
+    assert 50 <= len(pts) <= 200
+    assert min(c.p["BLOCK_M"] for c in pts) >= 64 and {c.p["FLATTEN"] for c in pts} == {False, True}
+    few = MOD.space(MOD.make_spec((1024, 1024, 4096), "bfloat16", "cuda")).points("persistent")
+    assert few and all(1024 // c.p["BLOCK_M"] * (1024 // c.p["BLOCK_N"]) > 132 for c in few)
+    assert not MOD.space(MOD.make_spec((512, 512, 4096), "bfloat16", "cuda")).points("persistent")
+    # the interpreter renders the persistent loop with constexpr bounds, CUDA with tl.range(flatten=)
+    for device, needle in (("cuda", "tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN)"),
+                           ("cpu", "for i in range(ITERS):")):
+        spec = MOD.make_spec((2048, 2048, 256), "bfloat16", device)
+        assert needle in codegen.render(OP, spec, MOD.space(spec).points("persistent")[0])
