@@ -81,11 +81,17 @@ def main() -> int:
     print(f"\nmatmul {args.shape} {args.dtype}: eager (cuBLAS) p50 {base:.1f} us; {args.variant}: {n_space} points "
           f"in the space, {sum(c['variant'] == args.variant for c in rep.candidates)} proposed, "
           f"{sum(c['variant'] == args.variant and c['status'] == 'ok' for c in rep.candidates)} valid")
-    print(f"{'variant':12} {'params':90} {'screen':>8} {'final':>8} {'vs eager':>9}")
+    def on_final_scale(c):  # the final's p50, else the screening's estimate of it (engine.screen_to_final)
+        if c["final"]:
+            return c["final"]["p50"]
+        return c["screen"]["p50"] * base / c["screen_eager_p50"] if base and c.get("screen_eager_p50") else None
+
+    rows.sort(key=lambda c: on_final_scale(c) or float("inf"))
+    print(f"{'variant':12} {'params':90} {'screen':>8} {'final':>8} {'vs eager':>9}  (vs eager: final, else estimate)")
     for c in rows[:8] + [c for v, c in by_variant.items() if c not in rows[:8]]:
-        q = c.get("final") or c["screen"]
+        t = on_final_scale(c)
         print(f"{c['variant']:12} {json.dumps(c['params'])[:90]:90} {c['screen']['p50']:8.1f} "
-              f"{(c['final'] or {}).get('p50', float('nan')):8.1f} {base / q['p50'] if base else float('nan'):9.3f}")
+              f"{(c['final'] or {}).get('p50', float('nan')):8.1f} {base / t if base and t else float('nan'):9.3f}")
     fails = {}
     for c in rep.candidates:
         if c["status"] != "ok":
