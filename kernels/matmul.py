@@ -18,8 +18,8 @@ Variants:
           per-element address arithmetic, OOB rows/columns zero-filled and clipped in hardware). The
           structure of triton's persistent-matmul tutorial, which is where Triton reaches cuBLAS on
           H100/H200. Valid only where TMA's rules hold (_tma_ok): 2-D, last strides 1, the other strides
-          16-byte multiples (K and N multiples of 8 in bf16/fp16, of 4 in fp32). Not yet measured on the
-          H200 (issue 16).
+          16-byte multiples (K and N multiples of 8 in bf16/fp16, of 4 in fp32). H200, 4096³ bf16: its
+          best of 40 points 211.1 µs, tiled's best 214.5, cuBLAS 205.8 (h200-matmul-variants-2026-12-04).
 """
 
 from __future__ import annotations
