@@ -6,8 +6,9 @@ Usage (on the GPU machine, from the repo root):
 
 Default cases: the norms, softmax, cross-entropy, gelu, sdpa and matmul rows of the performance suite. Each
 case is `forge search ... --budget <space size> --force --json` in a subprocess with its own cache (what a user
-runs), cut at --limit seconds per case; the table records the final p50 where a candidate has one, else its
-screening p50 (both are in the search's report).
+runs), cut at --limit seconds per case; each row's p50 is on the final eager's scale (replay.table_from_report),
+and the table keeps the search's decision and its screening-to-final errors (engine.screen_to_final). The device
+tool brings back at most 8 files a call: at most 7 cases per call with a log.
 """
 
 from __future__ import annotations

@@ -289,7 +289,7 @@ class Cache:
         try:
             conn = self._connect(f"{uri}?mode=ro", uri=True)
             try:
-                has_tables = self._check_schema(conn)
+                has_tables = self._check_schema_snapshot(conn)
             except sqlite3.OperationalError as exc:
                 if not (_cannot_open(exc) or _disk_full(self.path)):
                     raise
@@ -298,7 +298,7 @@ class Cache:
                 # it is read as immutable: commits still in a WAL file of an unclean shutdown are not seen.
                 conn.close()
                 conn = self._connect(f"{uri}?mode=ro&immutable=1", uri=True)
-                has_tables = self._check_schema(conn)
+                has_tables = self._check_schema_snapshot(conn)
         except sqlite3.Error as exc:
             if conn is not None:
                 conn.close()
@@ -311,6 +311,18 @@ class Cache:
             conn.close()
             return None
         return conn
+
+    def _check_schema_snapshot(self, conn: sqlite3.Connection) -> bool:
+        """_check_schema in one read transaction. The connection is in autocommit mode, where each SELECT
+        sees the database as of its own start: a writer creating the schema between _check_schema's "is there
+        a schema_version table" and "is there any table" made a new forge cache look like another program's
+        database (test_concurrent_writer_processes failed so, once in a full run, 2026-12-04)."""
+        conn.execute("BEGIN")
+        try:
+            return self._check_schema(conn)
+        finally:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
 
     def _check_schema(self, conn: sqlite3.Connection) -> bool:
         """Whether the file holds forge's tables (False: an empty database). Reads only. Garbage in the

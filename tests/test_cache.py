@@ -561,6 +561,56 @@ def test_threads_share_one_cache(cache: Cache) -> None:
             assert_intact(cache.get(make_key(f"t{t}-{i}")), f"t{t}i{i}")
 
 
+class _WriterBetweenQueries:
+    """A connection whose first SELECT is followed, before the next statement, by another process's first write
+    (here: another Cache creating the schema and putting an entry), the interleaving of a reader opening a
+    brand-new cache while its creator commits."""
+
+    def __init__(self, conn, write):
+        self.conn, self.write, self.fired = conn, write, False
+
+    @property
+    def in_transaction(self):
+        return self.conn.in_transaction
+
+    def execute(self, sql, *args):
+        cur = self.conn.execute(sql, *args)
+        if sql.lstrip().upper().startswith("SELECT") and not self.fired:
+            self.fired = True
+            self.write()
+        return cur
+
+
+def test_a_reader_checks_the_schema_in_one_snapshot(tmp_path: Path) -> None:
+    """Two autocommit SELECTs see two states: "no schema_version table" and then "some table" made a new
+    forge cache look like another program's database to a reader opening it while its creator committed."""
+    db = tmp_path / "forge.db"
+    raw = sqlite3.connect(db)
+    assert raw.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"  # the creator's first step
+    raw.close()
+    reader = Cache(db)  # an empty database: no connection kept yet
+    assert reader._conn is None
+
+    def racing_put(tag):
+        return lambda: Cache(db).put(make_entry(make_key(tag), tag=tag))
+
+    conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+    with pytest.raises(CacheError, match="not a forge cache"):  # the two states, as before the fix
+        reader._check_schema(_WriterBetweenQueries(conn, racing_put("a")))
+    conn.close()
+    db.unlink()
+    for suffix in ("-wal", "-shm"):
+        Path(str(db) + suffix).unlink(missing_ok=True)
+    raw = sqlite3.connect(db)
+    raw.execute("PRAGMA journal_mode=WAL")
+    raw.close()
+    conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+    assert reader._check_schema_snapshot(_WriterBetweenQueries(conn, racing_put("b"))) is False  # one state
+    assert not conn.in_transaction
+    conn.close()
+    assert Cache(db).get(make_key("b")).candidates[0]["tag"] == "b"  # the racing write landed
+
+
 def test_concurrent_writer_processes(tmp_path: Path) -> None:
     db = tmp_path / "forge.db"
     run_processes(_writer_worker, [(str(db), w) for w in range(4)], tmp_path)
