@@ -50,7 +50,7 @@ $(T36)/.forge-installed: pyproject.toml
 test-triton36: $(T36)/.forge-installed
 	$(T36)/bin/python -m pytest -q tests/test_templates.py tests/test_any_dims.py tests/test_strided.py tests/test_search_e2e.py tests/test_faults.py tests/test_launch.py \
 		tests/test_op_linear.py tests/test_op_swiglu.py tests/test_op_pointwise.py tests/test_torch_op.py \
-		tests/test_op_add_norm.py tests/test_op_cat.py
+		tests/test_op_add_norm.py tests/test_op_cat.py tests/test_screening.py tests/test_halving.py
 
 clean:
 	rm -rf $(VENV) $(T36) .pytest_cache .ruff_cache *.egg-info
