@@ -612,9 +612,12 @@ GEMM_GPU_GRID = {
     # point of GROUP_M), and the loop flattened or not (tl.range(flatten=): the compiler pipelines the
     # flattened tile x K loop across tile boundaries, as triton's persistent tutorial does on Hopper; not
     # yet measured here). 196 points at 4096^3 bf16 (84 in fp32), next to tiled's 748: affordable in a
-    # budget-50 search.
+    # budget-50 search. WS: the tile loop warp-specialised (tl.range(warp_specialize=True): producer warps
+    # issue the TMA loads, consumer warpgroups the MMAs; on Hopper only with the loop not flattened), 98
+    # more points at 4096^3; NOT YET MEASURED on the H200 (issue 16 keeps a knob only where it pays).
     "persistent": {"BLOCK_M": [64, 128, 256], "BLOCK_N": [64, 128, 256], "BLOCK_K": [32, 64, 128],
-                   "GROUP_M": [8], "num_warps": [4, 8], "num_stages": [3, 4, 5], "FLATTEN": [False, True]},
+                   "GROUP_M": [8], "num_warps": [4, 8], "num_stages": [3, 4, 5], "FLATTEN": [False, True],
+                   "WS": [False, True]},
 }
 # The interpreter: small blocks (it is slow at tl.dot), and no pipelining (num_stages means nothing).
 GEMM_CPU_GRID = {
@@ -624,7 +627,7 @@ GEMM_CPU_GRID = {
                "num_warps": [4], "num_stages": [1]},
     # FLATTEN has no meaning on the interpreter (its loop is rendered differently: matmul_persistent.j2).
     "persistent": {"BLOCK_M": [16, 32], "BLOCK_N": [16, 32], "BLOCK_K": [16, 32], "GROUP_M": [2],
-                   "num_warps": [4], "num_stages": [1], "FLATTEN": [False]},
+                   "num_warps": [4], "num_stages": [1], "FLATTEN": [False], "WS": [False]},
 }
 # fp32 accumulator values per thread: above 128 (of 255 registers) the A/B fragments and addresses
 # no longer fit and the kernel spills; below 4 a warp covers less than one MMA instruction's tile.
@@ -679,6 +682,10 @@ def gemm_space(dims: tuple[int, int, int, int], device: str, dtype: str, variant
             # Grouping only reorders programs when there are several tile rows and columns.
             return p["GROUP_M"] == 1 or (-(-m // bm) > 1 and -(-n // bn) > 1)
         if c.variant == "persistent":
+            # Triton warp-specialises a flattened tile loop on Blackwell only (tritonbench prunes WS with
+            # flatten=True on Hopper for the same reason).
+            if p.get("WS") and p.get("FLATTEN"):
+                return False
             # One program per SM only differs from `tiled` when some program gets more than one tile
             # (the interpreter's nominal SMs are few: there it is always worth rendering).
             return not on_gpu or tiles > hardware.GPU_SMS
@@ -735,6 +742,60 @@ def gemm_default(dims: tuple[int, int, int, int], device: str, dtype: str, sp: S
                 return cand
     points = sp.points("tiled")
     return points[0] if points else next(sp.all_points())
+
+
+# TMA (cuTensorMapEncodeTiled; triton's host-side TensorDescriptor asserts the same): a 16-byte aligned
+# base, every stride but the last a multiple of 16 bytes, the last stride 1. The bases are the shim's
+# concern (it runs only 16-byte aligned inputs through forge's kernels: forge/shim.py ALIGNMENT) and
+# outputs are freshly allocated, so a spec is TMA-loadable when its strides are.
+TMA_ALIGN = 16
+
+
+def tma_available() -> bool:
+    """Whether the installed triton has host-side tensor descriptors (triton.tools.tensor_descriptor)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401 - the API the variants use
+    except ImportError:
+        return False
+    return True
+
+
+def tma_row_stride(rows: int, cols: int, row_stride: int | None, last_stride: int, itemsize: int) -> int | None:
+    """The row stride to give a 2-D TMA descriptor over a (rows, cols) matrix with these strides, or None
+    where TMA cannot read it: the last stride must be 1 and the row stride a 16-byte multiple. A single row's
+    stride is never stepped, so it gets the row length rounded up to 16 bytes (any multiple would do)."""
+    if last_stride != 1 and cols > 1:
+        return None
+    if rows == 1:
+        per = TMA_ALIGN // itemsize
+        return -(-cols // per) * per
+    if row_stride is None or row_stride * itemsize % TMA_ALIGN:
+        return None
+    return row_stride
+
+
+def flat_rows(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    """The row stride of a 2-D or 3-D tensor's rows seen as one (rows, last dim) matrix, or None where its
+    rows are not evenly spaced (a 3-D tensor whose batch stride is not S x its row stride, e.g. a slice of
+    a wider sequence). With a single row there is no stride to speak of: the row length is returned."""
+    if len(shape) == 2:
+        return strides[0] if shape[0] > 1 else shape[1]
+    b, s = shape[0], shape[1]
+    if b * s == 1:
+        return shape[2]
+    if s == 1:
+        return strides[0]
+    if b == 1 or strides[0] == s * strides[1]:
+        return strides[1]
+    return None
+
+
+def persistent_gemm_context(cand: Candidate, device: str) -> dict:
+    """The render context every persistent GEMM template (linear, swiglu) shares: the interpreter's loop
+    bounds as constexprs (triton 3.6's interpreter takes no runtime loop bound, as in matmul's), its nominal
+    SM count, and the loop's flags (FLATTEN; WS: tl.range(warp_specialize=True), rendered only when set)."""
+    return {"K_CONSTEXPR": device != "cuda", "CPU_SMS": hardware.CPU_SMS, "FLATTEN": bool(cand.p["FLATTEN"]),
+            "WS": bool(cand.p.get("WS", False))}
 
 
 # The K that a GEMM's tolerance(dtype) assumes when it is not told K (forge/tuner/validate.py passes only

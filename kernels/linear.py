@@ -18,6 +18,11 @@ Variants:
   splitk  for few output tiles and a long K (decode, M = 1..16): SPLIT_K programs per tile reduce K
           slices into an fp32 workspace; the reduction kernel sums them in a fixed order (no atomics)
           and applies the epilogue.
+  persistent  min(#tiles, #SMs) programs looping over GROUP_M-swizzled tiles (matmul's persistent
+          variant), x and W loaded through TMA tensor descriptors; the epilogue on the accumulator, the
+          output stored through a descriptor where its rows are 16-byte aligned, else with masked pointer
+          stores (GPT-2's lm_head: N = 50257, while x and W are TMA-aligned). Valid where TMA can read x's
+          flattened rows and W (_tma_ok).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from forge.spec import KernelSpec, TensorSpec
 
 NAME = "linear"
 SUMMARY = "act(x @ W^T + b) * scale + residual (F.linear / addmm with its epilogue)"
-TEMPLATES = {"tiled": "linear_tiled.j2", "splitk": "linear_splitk.j2"}
+TEMPLATES = {"tiled": "linear_tiled.j2", "splitk": "linear_splitk.j2", "persistent": "linear_persistent.j2"}
 DEFAULT_ATTRS: dict = {"weight": "nk", "bias": "none", "activation": "none", "residual": False}
 # form="formula": the activation is written out in the user's code (GPT-2's gelu_new, x * sigmoid(x)); the
 # reference, the search's baseline, runs it so (several eager kernels). Absent: torch's one call.
@@ -44,8 +49,15 @@ OUT_LEAD = "_out_lead"
 # Masking shapes for tests/test_templates.py, as (M, N, K) or (B, S, N, K): a single row (decode), tails
 # in M, N and K, a 3-D x, and a K that BLOCK_K divides (the unmasked loop).
 TEST_SHAPES = [(1, 5, 3), (7, 5, 3), (33, 17, 40), (2, 3, 17, 20), (3, 20, 32)]
-# A shape with points of both variants on both devices (few tiles, long K: split-K is in the GPU space).
-MID_SHAPE = (16, 1024, 1024)
+# The persistent (TMA) variant renders where K is a multiple of 8 (every dtype): at 33x17x40 with an odd
+# N (stored through pointers, as GPT-2's lm_head) and here with a TMA-aligned N (stored through a
+# descriptor), a 3-D x, and more tiles than the interpreter's programs.
+TEST_SHAPES.append((2, 20, 24, 24))
+# A shape with points of every variant on both devices. (It was 16x1024x1024, which has no persistent
+# points on the GPU: 16 rows make too few tiles; that shape's golden renders are kept in
+# tests/test_golden.py.) Here 64x128 tiles are few enough (128) for split-K's GPU points, and 64x64 ones
+# outnumber the SMs (256) for the persistent variant's.
+MID_SHAPE = (256, 4096, 1024)
 
 
 def _dims(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
@@ -255,7 +267,31 @@ def run(module, inputs, out, attrs) -> None:
 
 # -- search space: the GEMM space (opkit.gemm_space; matmul's rules) --------------------------------
 def space(spec: KernelSpec) -> opkit.Space:
-    return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype)
+    variants = ("tiled", "splitk", "persistent") if _tma_ok(spec) else ("tiled", "splitk")
+    return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype, variants=variants)
+
+
+def _tma_strides(spec: KernelSpec) -> tuple[int, int] | None:
+    """The descriptors' row strides (x's rows flattened to one (M, K) matrix, W as stored), or None where TMA
+    cannot read them (opkit.tma_row_stride): x's rows unevenly spaced (a 3-D slice), a last stride that is
+    not 1 (x.t(), w.t() of the other layout), or a row stride that is not a 16-byte multiple (K not a
+    multiple of 8 in half precision for nn.Linear's (N, K) weight; N for Conv1D's (K, N))."""
+    x, w = spec.inputs[0], spec.inputs[1]
+    _, m, n, k = _dims(problem_shape(spec))
+    item = x.itemsize
+    xs = opkit.tma_row_stride(m, k, opkit.flat_rows(x.shape, x.strides), x.strides[-1], item)
+    ws = opkit.tma_row_stride(w.shape[0], w.shape[1], w.strides[0], w.strides[1], item)
+    if xs is None or ws is None:
+        return None
+    return xs, ws
+
+
+def _tma_ok(spec: KernelSpec) -> bool:
+    """Whether the persistent (TMA) variant may render for this spec. The output is allocated contiguous, so
+    it needs no rule: where its rows are not 16-byte aligned it is stored through pointers. As for matmul
+    (kernels/matmul.py _tma_ok), Hopper is where descriptors become TMA copies, and a GPU where they fail
+    to compile only records failed candidates."""
+    return opkit.tma_available() and _tma_strides(spec) is not None
 
 
 def default(spec: KernelSpec) -> opkit.Candidate:
@@ -322,10 +358,17 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     ctx.update(M=m, N=n, K=k, SEQ=seq, SXB=sx[0], SXS=sx[1], SXK=sx[2], SWN=swn, SWK=swk,
                X_SHAPE=tuple(x.shape), X_STRIDES=tuple(x.strides), W_STRIDES=tuple(w.strides),
                HAS_BIAS=spec.attrs["bias"] != "none", HAS_RES=bool(spec.attrs["residual"]),
-               EPILOGUE=epilogue(spec.attrs), ATTRS=", ".join(f"{a}={spec.attrs[a]}" for a in sorted(spec.attrs)))
+               EPILOGUE=epilogue(spec.attrs, " " * (8 if cand.variant == "persistent" else 4)),
+               ATTRS=", ".join(f"{a}={spec.attrs[a]}" for a in sorted(spec.attrs)))
     # Every K slice whole: no masks in the K loop.
     ctx["EVEN_K"] = k % (ctx["BLOCK_K"] * ctx["SPLIT_K"]) == 0
     ctx.update(opkit.gemm_dot_context(spec.dtype, spec.device))
+    if cand.variant == "persistent":
+        ctx.update(opkit.persistent_gemm_context(cand, spec.device))
+        ctx["X_ROW_STRIDE"], ctx["W_ROW_STRIDE"] = _tma_strides(spec)
+        ctx["W_NK"] = spec.attrs["weight"] == "nk"
+        # the output (M, N), contiguous: its rows are TMA-aligned when N is a 16-byte multiple
+        ctx["Y_TMA"] = n * x.itemsize % opkit.TMA_ALIGN == 0
     ctx["kernel_name"] = f"forge_{NAME}_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx
@@ -360,9 +403,15 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
     blocks where K is short (empty splits must add 0)."""
     k = problem_shape(spec)[-1]
     split = 2 if math.ceil(k / 16) > 2 else 4
-    return [opkit.Candidate.make("tiled", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
-            opkit.Candidate.make("splitk", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=split, num_warps=4,
-                                 num_stages=1)]
+    out = [opkit.Candidate.make("tiled", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1),
+           opkit.Candidate.make("splitk", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=split, num_warps=4,
+                                num_stages=1)]
+    # 16-wide tiles over GROUP_M=2 (partial tiles and groups, programs that loop), where TMA can read the
+    # operands in every dtype the test runs these in (K a multiple of 8: 16-byte rows in half precision)
+    if _tma_ok(spec) and k % 8 == 0:
+        out.append(opkit.Candidate.make("persistent", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4,
+                                        num_stages=1, FLATTEN=False, WS=False))
+    return out
 
 
 # -- recognising linear and its epilogue in user code (forge/trace.py canonical forms) -----------------

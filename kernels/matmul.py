@@ -171,9 +171,8 @@ def space(spec: KernelSpec) -> opkit.Space:
     return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype, variants=variants)
 
 
-# TMA (cuTensorMapEncodeTiled, and triton's TensorDescriptor asserts the same on the host): a 16-byte
-# aligned base, every stride but the last a multiple of 16 bytes, the last stride 1.
-TMA_ALIGN = 16
+# TMA's rules (a 16-byte aligned base, 16-byte multiple strides, the last stride 1): opkit.TMA_ALIGN.
+TMA_ALIGN = opkit.TMA_ALIGN
 
 
 def _tma_ok(spec: KernelSpec) -> bool:
@@ -189,9 +188,7 @@ def _tma_ok(spec: KernelSpec) -> bool:
     lowers the descriptor loads to ordinary loads or fails to compile, and the engine records a failed
     candidate, so the search stays correct either way. The interpreter (triton 3.6 and 3.9) implements
     the descriptors in software: the tests run the variant there."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401 - the API this needs
-    except ImportError:  # a triton without host-side descriptors
+    if not opkit.tma_available():  # a triton without host-side descriptors
         return False
     a, b = spec.inputs
     if len(a.shape) != 2:
@@ -242,6 +239,7 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
         ctx.update(SAB=sa[0], SAM=sa[1], SAK=sa[2], SBB=sb[0], SBK=sb[1], SBN=sb[2],
                    A_STRIDES=tuple(a.strides), B_STRIDES=tuple(b.strides))
     if cand.variant == "persistent":
+        ctx["WS"] = bool(cand.p.get("WS", False))  # tl.range(warp_specialize=True), rendered only when set
         # The descriptors' strides: the spec's, except that a leading dim of size 1 (whose stride the
         # shim does not check and TMA never steps) gets the row length, which _tma_ok made 16-byte aligned.
         ctx.update(A_DESC_STRIDES=[a.strides[0] if a.shape[0] > 1 else a.shape[1], 1],
@@ -302,7 +300,7 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
                                 num_stages=1)]
     if len(shape) == 3 and shape[1] % 8 == 0 and k % 8 == 0 and spec.inputs[0].contiguous and spec.inputs[1].contiguous:
         out.append(opkit.Candidate.make("persistent", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=2, num_warps=4,
-                                        num_stages=1, FLATTEN=False))
+                                        num_stages=1, FLATTEN=False, WS=False))
     return out
 
 

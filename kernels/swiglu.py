@@ -5,9 +5,12 @@ bias. x and both weights may be in any strided layout (the "strides" attribute).
 (M, N, K), or (B, S, N, K) for a 3-D x. Baseline (reference): the user's code as written, two F.linear
 and F.silu(g) * u (four kernels; g and u written and read back).
 
-Variant:
+Variants:
   tiled   one BLOCK_M x BLOCK_N output tile per program, two fp32 accumulators (gate and up) fed from one
           load of each x tile per K step; silu(g) * u on the accumulators, one rounding at the store.
+  persistent  the same tile work in min(#tiles, #SMs) programs looping over GROUP_M-swizzled tiles, x, Wg
+          and Wu loaded through TMA tensor descriptors (matmul's persistent variant); valid where TMA can
+          read x's flattened rows and both weights (_tma_strides).
 Not here: a split-K variant for decode (M of 1..16) and a concatenated [Wg; Wu] weight (one tensor holding
 both, as some models store it): the matcher only sees two separate nn.Linear weights.
 """
@@ -21,13 +24,19 @@ from forge.spec import KernelSpec, TensorSpec
 
 NAME = "swiglu"
 SUMMARY = "F.silu(x @ Wg^T) * (x @ Wu^T) (the SwiGLU MLP's two projections and gate in one kernel)"
-TEMPLATES = {"tiled": "swiglu_tiled.j2"}
+TEMPLATES = {"tiled": "swiglu_tiled.j2", "persistent": "swiglu_persistent.j2"}
 DEFAULT_ATTRS: dict = {}
 
 # Masking shapes for tests/test_templates.py ((M, N, K) or (B, S, N, K)): a single row, tails in M, N
 # and K, a 3-D x, and a K that BLOCK_K divides.
 TEST_SHAPES = [(1, 5, 3), (7, 5, 3), (33, 17, 40), (2, 3, 17, 20), (3, 20, 32)]
-MID_SHAPE = (16, 1024, 1024)
+# The persistent (TMA) variant renders where K is a multiple of 8: at 33x17x40 (an odd N: pointer stores)
+# and here (a TMA-aligned N: descriptor stores; a 3-D x; more tiles than the interpreter's programs).
+TEST_SHAPES.append((2, 20, 24, 24))
+# A shape with points of both variants on both devices. (It was 16x1024x1024, which has no persistent points
+# on the GPU: 16 rows make too few tiles; that shape's golden renders are kept in tests/test_golden.py.)
+# Here 64x64 tiles outnumber the SMs (256).
+MID_SHAPE = (256, 4096, 1024)
 
 
 def _dims(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
@@ -127,7 +136,20 @@ def run(module, inputs, out, attrs) -> None:
 
 # -- search space: the GEMM space's tiled points, with two weight tiles and two accumulators per program
 def space(spec: KernelSpec) -> opkit.Space:
-    return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype, variants=("tiled",), b_operands=2)
+    variants = ("tiled", "persistent") if opkit.tma_available() and _tma_strides(spec) else ("tiled",)
+    return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype, variants=variants, b_operands=2)
+
+
+def _tma_strides(spec: KernelSpec) -> tuple[int, int, int] | None:
+    """The descriptors' row strides of x's flattened rows, Wg and Wu, or None where TMA cannot read one of
+    them (opkit.tma_row_stride; linear's _tma_strides says when)."""
+    x, wg, wu = spec.inputs
+    _, m, n, k = _dims(problem_shape(spec))
+    item = x.itemsize
+    out = (opkit.tma_row_stride(m, k, opkit.flat_rows(x.shape, x.strides), x.strides[-1], item),
+           opkit.tma_row_stride(n, k, wg.strides[0], wg.strides[1], item),
+           opkit.tma_row_stride(n, k, wu.strides[0], wu.strides[1], item))
+    return None if None in out else out
 
 
 def default(spec: KernelSpec) -> opkit.Candidate:
@@ -144,6 +166,10 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
                X_SHAPE=tuple(x.shape), X_STRIDES=tuple(x.strides), G_STRIDES=tuple(wg.strides),
                U_STRIDES=tuple(wu.strides), EVEN_K=k % ctx["BLOCK_K"] == 0)
     ctx.update(opkit.gemm_dot_context(spec.dtype, spec.device))
+    if cand.variant == "persistent":
+        ctx.update(opkit.persistent_gemm_context(cand, spec.device))
+        ctx["X_ROW_STRIDE"], ctx["G_ROW_STRIDE"], ctx["U_ROW_STRIDE"] = _tma_strides(spec)
+        ctx["Y_TMA"] = n * x.itemsize % opkit.TMA_ALIGN == 0  # the contiguous output's rows
     ctx["kernel_name"] = f"forge_{NAME}_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx
@@ -171,9 +197,14 @@ def tolerance_for(spec: KernelSpec) -> opkit.Tolerance:
 
 def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
     """For tests/test_templates.py: 16-wide tiles (partial tiles in M and N, a K tail unless K is a
-    multiple of 16) with GROUP_M=2 (a partial last group at 33 rows)."""
-    return [opkit.Candidate.make("tiled", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4,
-                                 num_stages=1)]
+    multiple of 16) with GROUP_M=2 (a partial last group at 33 rows); the persistent variant likewise where
+    TMA can read the operands."""
+    out = [opkit.Candidate.make("tiled", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)]
+    # where TMA can read the operands in every dtype the test runs these in (K a multiple of 8)
+    if "persistent" in space(spec).variants and problem_shape(spec)[-1] % 8 == 0:
+        out.append(opkit.Candidate.make("persistent", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4,
+                                        num_stages=1, FLATTEN=False, WS=False))
+    return out
 
 
 # -- recognising SwiGLU in user code (forge/trace.py canonical forms) ----------------------------------

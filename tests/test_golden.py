@@ -65,6 +65,9 @@ ATTRS["add_norm"] = [{}, {"norm": "layer_norm", "eps": 1e-5}, {"form": "fused"}]
 REALISTIC["add_norm"] = [(2048, 4096)]
 # matmul's MID_SHAPE before the persistent variant moved it (issue 16): its renders stay checked.
 REALISTIC["matmul"] += [(16, 1024, 1024)]
+# ... and linear's and swiglu's, before their persistent variants moved them.
+REALISTIC["linear"] += [(16, 1024, 1024)]
+REALISTIC["swiglu"] += [(16, 1024, 1024)]
 # Specs rendered besides the default-attribute ones: the variants only their attributes reach (an op's
 # VARIANT_ATTRS) and the trailing-dims forms; keyed with the attributes.
 RENDER_ATTRS = {
