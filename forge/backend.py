@@ -199,23 +199,23 @@ class Backend:
             return self._rest(gm, args), gm(*args)
         g = TraceGraph.from_graph(gm, args)
         device = "cuda" if any(t.is_cuda for t in tensors) else "cpu"
-        regions, unmatched = find_regions(g, device, index)
-        swaps = []
-        reports = []
-        # A region fed by another region's output sees, once that one is swapped, what forge's kernel
-        # writes: a contiguous tensor (every family's alloc_output), where eager's may have been a view
-        # layout (rope on HF's transposed q keeps it transposed). It is resolved for that input, and a
-        # region recorded as a miss counts as swapped (it will be, once tuned); if it ends up eager, the
-        # guard sees the other layout and the region runs its own nodes.
-        produced: dict = {}
-        for r in regions:
-            report, swap = self._resolve(g, r, index, produced)
-            reports.append(report)
-            if swap is not None:
-                swaps.append((r, swap))
-            if swap is not None or report.reason.startswith(RECORDED):
-                for node in (r.root, *r.extra_outputs):
-                    produced[node] = g.values[node].contiguous()
+        # A region whose cached decision is eager (found so, or searched so just now) is split: the graph's
+        # regions are found again with it cut into its parts, which resolve on their own (miss: searched,
+        # recorded...), until no region of more than one node newly resolves eager. Each round resolves
+        # the decided regions from the cache; a region splits at most once per cut, so this ends.
+        rejected: set = set()
+
+        def split(r) -> bool:
+            return (r.root, frozenset(r.nodes)) in rejected
+
+        while True:
+            regions, unmatched = find_regions(g, device, index, split=split)
+            swaps, reports = self._resolve_all(g, regions, index)
+            eager = {(r.root, frozenset(r.nodes)) for r, rep in zip(regions, reports, strict=True)
+                     if len(r.nodes) > 1 and rep.reason.startswith(EAGER_DECIDED)} - rejected
+            if not eager:
+                break
+            rejected |= eager
         with self._lock:
             self.graphs += 1
             self.regions.extend(reports)
@@ -234,6 +234,25 @@ class Backend:
                 self.graphed.append((index, graphed))
             run = graphed
         return run, g.output
+
+    def _resolve_all(self, g, regions: list, index: int) -> tuple[list, list]:
+        """(the swaps, each region's report) of one graph's regions, in graph order."""
+        swaps, reports = [], []
+        # A region fed by another region's output sees, once that one is swapped, what forge's kernel
+        # writes: a contiguous tensor (every family's alloc_output), where eager's may have been a view
+        # layout (rope on HF's transposed q keeps it transposed). It is resolved for that input, and a
+        # region recorded as a miss counts as swapped (it will be, once tuned); if it ends up eager, the
+        # guard sees the other layout and the region runs its own nodes.
+        produced: dict = {}
+        for r in regions:
+            report, swap = self._resolve(g, r, index, produced)
+            reports.append(report)
+            if swap is not None:
+                swaps.append((r, swap))
+            if swap is not None or report.reason.startswith(RECORDED):
+                for node in (r.root, *r.extra_outputs):
+                    produced[node] = g.values[node].contiguous()
+        return swaps, reports
 
     def _rest(self, gm, args: tuple) -> Callable:
         if self.rest == "inductor":

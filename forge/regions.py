@@ -22,6 +22,7 @@ regions from here, so what trace reports is what the backend swaps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,12 +129,15 @@ def _gemm_cuts(graph, calls, heads) -> tuple[frozenset, frozenset]:
     return frozenset(ins), frozenset(outs)
 
 
-def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = None
-                 ) -> tuple[list[Region], list[Unmatched]]:
+def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = None,
+                 split: Callable[[Region], bool] | None = None) -> tuple[list[Region], list[Unmatched]]:
     """Regions and unmatched calls of one graph. names: {id(tensor): qualified name} of the target's
-    parameters and buffers (Dynamo passes them as graph inputs), for Region.inputs."""
-    import torch
+    parameters and buffers (Dynamo passes them as graph inputs), for Region.inputs.
 
+    split: regions not to take whole (their cached decision is eager): where split(region) is true, the
+    next cut at the same root is tried, so the region's parts become regions of their own (a SwiGLU MLP
+    decided eager still fuses its silu(g) * u, a GEMM with a gelu epilogue its gelu). Where no smaller
+    region matches at that root, the split region is kept (it runs as captured)."""
     from forge.trace import BOUNDARY_HEADS, ELEMENTWISE_HEADS, describe
 
     families = ops.match_order()
@@ -195,6 +199,7 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
                     inside = {m for m in multi if m in chain or _through_upcasts(graph, {m}) & set(chain)}
                     inner.append((_through_upcasts(graph, (multi - inside) | below), keepers))
         deep = _below_chains(graph, heads, n, look_heads) if lookers else None
+        kept = None  # the first match that split() rejected: the region if nothing smaller matches
         for cut, fams in ((frozenset(), families), *inner, (cut_gemm, families), (cut_multi, families),
                           *(((deep, lookers),) if deep is not None else ()),
                           (cut_bound_specific, specific), (cut_bound, generic), (direct, families)):
@@ -213,32 +218,21 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
                         # a region that keeps a shared node inside but cannot take these inputs (GPT-2's
                         # wte + wpe broadcast add) would leave its norm eager: the plain norm is tried instead
                         continue
-                    found = (fam, traced, *res)
+                    region = _region(fam, graph, n, traced, *res, graph_index, names, device)
+                    if split is not None and split(region):
+                        kept = kept or region
+                        continue  # the next family, then the next cut: the region's parts
+                    found = region
                     break
             if found:
                 break
             reasons[n] = f"no op family matches ({describe(traced.expr)})"
+        found = found or kept
         if not found:
             continue
-        fam, traced, indices, attrs = found
-        leaf_nodes = {x for x in traced.leaves if not isinstance(x, str)}
-        region = Region(index=len(regions), root=n, nodes=_region_nodes(n, leaf_nodes), leaves=traced.leaves,
-                        op=fam.name, indices=list(indices), attrs=dict(attrs), graph=graph_index,
-                        inputs=[_leaf_name(leaf, t, names) for leaf, t in zip(traced.leaves, traced.tensors,
-                                                                              strict=True)])
-        if getattr(fam.module, "KEEP_MULTI_USE", ()):
-            inside = set(region.nodes)
-            region.extra_outputs = [m for m in region.nodes if m is not n and any(u not in inside for u in m.users)]
-        covered.update(region.nodes)
-        picked = [traced.tensors[i] if i is not None else None for i in indices]
-        try:
-            shape, dtype, region.attrs = _fit(fam, picked, attrs, device)
-            region.shape, region.dtype = shape, dtype
-        except ValueError as exc:
-            region.unsupported = str(exc)
-            first = dtype_name(picked[0].dtype) if isinstance(picked[0], torch.Tensor) else None
-            region.dtype = first if first in DTYPES else None
-        regions.append(region)
+        found.index = len(regions)
+        covered.update(found.nodes)
+        regions.append(found)
     regions.sort(key=lambda r: calls.index(r.root))
     for i, r in enumerate(regions):
         r.index = i
@@ -248,6 +242,31 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
     unmatched = [Unmatched(n, _describe_call(n), tuple(graph.values[n].shape), reasons.get(n, "no op family matches"),
                            graph=graph_index) for n in calls if n not in covered]
     return regions, unmatched
+
+
+def _region(fam, graph, n, traced, indices: list, attrs: dict, graph_index: int, names: dict | None,
+            device: str) -> Region:
+    """The region a match at root n gives, with its problem shape, dtype and the spec's attrs, or the reason
+    its kernels cannot take it (Region.unsupported)."""
+    import torch
+
+    leaf_nodes = {x for x in traced.leaves if not isinstance(x, str)}
+    region = Region(index=-1, root=n, nodes=_region_nodes(n, leaf_nodes), leaves=traced.leaves,
+                    op=fam.name, indices=list(indices), attrs=dict(attrs), graph=graph_index,
+                    inputs=[_leaf_name(leaf, t, names) for leaf, t in zip(traced.leaves, traced.tensors,
+                                                                          strict=True)])
+    if getattr(fam.module, "KEEP_MULTI_USE", ()):
+        inside = set(region.nodes)
+        region.extra_outputs = [m for m in region.nodes if m is not n and any(u not in inside for u in m.users)]
+    picked = [traced.tensors[i] if i is not None else None for i in indices]
+    try:
+        shape, dtype, region.attrs = _fit(fam, picked, attrs, device)
+        region.shape, region.dtype = shape, dtype
+    except ValueError as exc:
+        region.unsupported = str(exc)
+        first = dtype_name(picked[0].dtype) if isinstance(picked[0], torch.Tensor) else None
+        region.dtype = first if first in DTYPES else None
+    return region
 
 
 def _folded(fam, graph, traced, indices: list, attrs: dict) -> dict:

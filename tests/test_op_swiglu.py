@@ -203,3 +203,51 @@ def test_backend_swaps_linear_and_swiglu_regions(tmp_path, monkeypatch):
     assert acts == ["gelu_tanh", "none"]
     assert all(c.calls - c.fallbacks >= 1 for c in be.kernel_calls)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="exercises the interpreter path (CPU tensors)")
+def test_backend_splits_a_region_decided_eager(tmp_path, monkeypatch):
+    """A SwiGLU region whose search decides eager is split: its gate and up projections and silu(g) * u become
+    regions of their own, resolved on their own (silu_mul's kernel runs), as eager-decided regions are in
+    `forge trace` with the same cache; the model's output is unchanged."""
+    from forge import backend as fb
+    from forge import shim
+    from forge.cache import Cache
+    from forge.tuner import stats, tracetools
+
+    searched: list[str] = []
+    real = shim._searcher()
+
+    def searcher(op_name, *args, **kwargs):  # swiglu's search finds no winner; every other op's kernel wins
+        searched.append(op_name)
+        monkeypatch.setattr(stats, "accepts", lambda *a, **k: op_name != "swiglu")
+        return real(op_name, *args, **kwargs)
+
+    monkeypatch.setattr(shim, "_search_on_miss", searcher)
+    monkeypatch.setenv("FORGE_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model, x = Block().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        ref = model(x)
+    be = fb.Backend(miss="search", budget=1, interpreter=True, cache=str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        compiled(x)
+        got = compiled(x)
+    torch._dynamo.reset()
+    assert searched.count("swiglu") == 1, searched  # searched once: the second round reads its eager decision
+    used = sorted((r.op, r.uses) for r in be.explain().regions)
+    # down + residual, gate, up, silu(g) * u and fc + gelu: every one a kernel; no swiglu region is left
+    assert used == [("linear", "kernel")] * 4 + [("silu_mul", "kernel")], used
+    assert all(c.calls - c.fallbacks >= 1 for c in be.kernel_calls)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+    # forge trace with the same cache lists the same split regions
+    tgt = tracetools.Target(fn=model, args=(x,), description="Block")
+    with torch.no_grad():
+        result = tracetools.trace(tgt, "cpu", Cache(tmp_path / "cache"), "interpreter")
+    assert sorted(r.op for r in result.regions) == ["linear"] * 4 + ["silu_mul"]
+    with torch.no_grad():
+        whole = tracetools.trace(tgt, "cpu")  # without a cache: the largest regions, swiglu whole
+    assert sorted(r.op for r in whole.regions) == ["linear", "linear", "swiglu"]

@@ -156,7 +156,7 @@ def _trace(path: Path, row: Problem, dev: str, dtype, cache, backend: str, profi
     row.stage = "load"
     tgt = tracetools.load_target(str(path), [], dev, dtype)
     row.stage = "trace"
-    result = tracetools.trace(tgt, dev)
+    result = tracetools.trace(tgt, dev, cache, backend)
     _summary(result, row)
     tracetools.annotate_with_cache(result, cache, backend)
     if profile:

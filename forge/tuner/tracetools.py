@@ -283,13 +283,21 @@ def capture(target: Target) -> tuple[list, list[str]]:
 
 
 @out_of_memory_is_environment("tracing")
-def trace(target: Target, device: str) -> TraceResult:
+def trace(target: Target, device: str, cache=None, backend: str | None = None) -> TraceResult:
+    """The target's regions and unmatched calls. With a cache (and the backend its keys are for), a region
+    whose cached decision is eager is split into its parts, as the forge backend splits it
+    (forge/regions.py find_regions' split), so the regions listed are the ones the backend would run."""
     graphs, breaks = capture(target)
     names = param_names(target.fn)
     regions: list[Region] = []
     unmatched: list[Unmatched] = []
+
+    def split(r: Region) -> bool:
+        entry = _cached(r, cache, backend) if cache is not None and backend is not None else None
+        return entry is not None and entry.decision == "eager" and len(r.nodes) > 1
+
     for i, g in enumerate(graphs):
-        r, u = find_regions(g, device, i, names)
+        r, u = find_regions(g, device, i, names, split=split)
         regions.extend(r)
         unmatched.extend(u)
     for i, r in enumerate(regions):
@@ -299,16 +307,21 @@ def trace(target: Target, device: str) -> TraceResult:
 
 def annotate_with_cache(result: TraceResult, cache, backend: str) -> None:
     """Each tunable region's cached decision and speedup on this machine, if any."""
-    from forge import key as keys
-
     for r in result.regions:
-        if r.unsupported or r.shape is None:
-            continue
-        fam = ops.get(r.op)
-        spec = fam.module.make_spec(r.shape, r.dtype, keys.spec_device(backend), r.attrs)
-        entry = cache.get(keys.locate(fam, spec, backend).key)
+        entry = _cached(r, cache, backend)
         if entry is not None:
             r.decision, r.speedup = entry.decision, (entry.speedup if entry.decision in WINNING else 1.0)
+
+
+def _cached(r: Region, cache, backend: str):
+    """The region's cache entry on this machine, or None (not tunable, or not tuned)."""
+    from forge import key as keys
+
+    if r.unsupported or r.shape is None:
+        return None
+    fam = ops.get(r.op)
+    spec = fam.module.make_spec(r.shape, r.dtype, keys.spec_device(backend), r.attrs)
+    return cache.get(keys.locate(fam, spec, backend).key)
 
 
 # -- manifest --------------------------------------------------------------------------------------

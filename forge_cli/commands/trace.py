@@ -91,8 +91,8 @@ def trace_cmd(
             backend = engine.resolve_backend(device)
             dev = "cuda" if backend == "cuda" else "cpu"
             tgt = tracetools.load_target(target, input_ or [], dev, dtype)
-            result = tracetools.trace(tgt, dev)
             db = open_cache(cache)
+            result = tracetools.trace(tgt, dev, db, backend)
             tracetools.annotate_with_cache(result, db, backend)
             prof = tracetools.profile(result) if profile else None
             ver = tracetools.verify(result, db, backend) if verify else None
