@@ -22,12 +22,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+# The candidate (variant) name of torch's op in a search and in a cache entry's candidates.
+TORCH_OP_VARIANT = "torch"
+
 
 @dataclass(frozen=True)
 class Fused:
     label: str
     fn: Callable[[tuple, dict], Any]
     same_as_eager: Callable[[dict], bool] = lambda attrs: False
+    # Where torch's best call depends on the spec's attributes (linear: cuBLASLt's bias + activation epilogue
+    # where it applies): the Fused for these attrs. The label names the call, and a cached "torch" decision
+    # is served only by the call whose label it recorded (forge/shim.py).
+    for_attrs: Callable[[dict], Fused] | None = None
+
+    def pick(self, attrs: dict) -> Fused:
+        return self.for_attrs(attrs) if self.for_attrs is not None else self
 
 
 def _always(attrs: dict) -> bool:
@@ -118,6 +128,37 @@ def _linear_other_layout(inputs, attrs):
     return y + inputs[2 + has_b] if attrs.get("residual") else y.contiguous()
 
 
+def _linear_act_epilogue(inputs, attrs):
+    """torch._addmm_activation: cuBLASLt's GEMM with the bias and relu or tanh-GELU applied to the fp32
+    accumulator (its RELU_BIAS / GELU_BIAS epilogues; where cuBLASLt cannot take the call, torch's CUDA code
+    runs addmm then relu_ or gelu_(approximate="tanh"): the same function), on x's rows flattened and viewed
+    back; the residual added after it. On CUDA only: torch's CPU _addmm_activation applies the erf GELU, so
+    there the same function is spelled as addmm, then F.gelu(approximate="tanh") in place. That cuBLASLt's
+    GELU is the tanh one is checked on the GPU (tests/test_gpu.py) in fp32 and bf16."""
+    import torch
+
+    x, w = inputs[0], inputs[1]
+    k = x.shape[-1]
+    wt = w.t() if attrs["weight"] == "nk" else w
+    gelu = attrs["activation"] == "gelu_tanh"
+    if x.is_cuda or not gelu:
+        y = torch._addmm_activation(inputs[2], x.reshape(-1, k), wt, use_gelu=gelu)
+    else:
+        y = torch._C._nn.gelu_(torch.addmm(inputs[2], x.reshape(-1, k), wt), approximate="tanh")
+    y = y.view(*x.shape[:-1], wt.shape[1])
+    return y + inputs[3] if attrs.get("residual") else y
+
+
+def _linear_epilogue_fits(attrs: dict) -> bool:
+    """cuBLASLt's epilogue computes act(x @ W^T + b): a bias (F.linear's or added after) and relu or the tanh
+    GELU, no scale in between (a residual comes after the activation: added separately)."""
+    return (attrs.get("bias", "none") != "none" and attrs.get("activation") in ("relu", "gelu_tanh")
+            and "scale" not in attrs)
+
+
+_LINEAR_EPILOGUE = Fused("torch._addmm_activation (cuBLASLt bias + activation epilogue)", _linear_act_epilogue)
+
+
 def _trailing(x, attrs: dict) -> tuple:
     """The normalized trailing shape of a norm spec (attribute dims: how many trailing dims, default 1)."""
     return tuple(x.shape[x.dim() - int(attrs.get("dims", 1)):])
@@ -160,9 +201,11 @@ FUSED: dict[str, Fused | str] = {
     "reduce": Fused("torch.sum / mean / amax / argmax", _reduce, same_as_eager=_always),
     "rope": "torch has no fused rotary-embedding op",
     "add_norm": "torch has no fused residual-add-and-norm op (the reference: torch.add, then the norm's kernels)",
-    # torch has no GEMM with a fused epilogue beyond F.linear's bias: the candidate is the user's own calls on
-    # the weight in the other storage order (cuBLAS's kernel choice depends on it)
-    "linear": Fused("F.linear / addmm on the weight transposed in memory, rows padded to 128 B", _linear_other_layout),
+    # A bias with relu or the tanh GELU: cuBLASLt's epilogue (torch._addmm_activation). Otherwise torch has no
+    # GEMM with a fused epilogue beyond F.linear's bias: the candidate is the user's own calls on the weight
+    # in the other storage order (cuBLAS's kernel choice depends on it).
+    "linear": Fused("F.linear / addmm on the weight transposed in memory, rows padded to 128 B", _linear_other_layout,
+                    for_attrs=lambda a: _LINEAR_EPILOGUE if _linear_epilogue_fits(a) else FUSED["linear"]),
     "swiglu": "torch has no fused SwiGLU op (the reference: two F.linear, then F.silu(g) * u)",
     "pointwise": "torch has no single op for an arbitrary elementwise chain (torch.compile generates one: a bench "
                  "contestant)",
@@ -170,15 +213,25 @@ FUSED: dict[str, Fused | str] = {
 }
 
 
-def get(op: str) -> Fused | str:
-    """The op's fused torch op, or why there is none."""
-    return FUSED.get(op, f"no fused torch op is listed for {op} (forge/fused.py)")
+def get(op: str, attrs: dict | None = None) -> Fused | str:
+    """The op's fused torch op (for a spec with these attributes, where given), or why there is none."""
+    f = FUSED.get(op, f"no fused torch op is listed for {op} (forge/fused.py)")
+    return f.pick(attrs) if attrs is not None and isinstance(f, Fused) else f
 
 
 def candidate(op: str, attrs: dict) -> Fused | None:
     """The fused op as a search candidate for a spec with these attributes: None when there is none or
     when the spec's eager reference already is that call."""
-    f = get(op)
+    f = get(op, attrs)
     if isinstance(f, str) or f.same_as_eager(attrs):
         return None
     return f
+
+
+def recorded_label(candidates: list) -> str | None:
+    """The label of the torch-op candidate a cache entry's search timed (its candidates' summaries), or None
+    where none is recorded. A "torch" decision stands for that call: another one is not what was timed."""
+    for c in candidates or ():
+        if isinstance(c, dict) and c.get("variant") == TORCH_OP_VARIANT and c.get("label"):
+            return str(c["label"])
+    return None

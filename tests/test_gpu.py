@@ -323,3 +323,24 @@ def test_trace_profile_on_cuda_attributes_device_time(tmp_path):
     p = doc["profile"]
     assert p["clock"].startswith("device") and p["total_us"] > 0 and 0.3 < p["covered_fraction"] < 1
     assert all(r["us"] > 0 for r in doc["regions"]) and doc["unmatched"][0]["us"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cublaslt_gelu_epilogue_is_the_tanh_gelu(dtype):
+    """forge/fused.py serves torch._addmm_activation(use_gelu=True) for act(x @ W^T + b) with the tanh GELU:
+    on CUDA its values must be that function, not the erf GELU (torch's CPU kernel applies the erf one). The
+    two differ by ~1.5e-4 around -1 (the same sign all around it), under bf16's resolution, so the test compares
+    the mean signed error against each function over 2M outputs the bias puts there (rounding averages out)."""
+    import torch
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    m, n, k = 2048, 1024, 256
+    x = (torch.randn(m, k, device="cuda") * 0.02).to(dt)
+    w = torch.randn(n, k, device="cuda").to(dt)
+    b = torch.full((n,), -1.0, device="cuda").to(dt)  # pre-activations around -1: tanh GELU - erf GELU < 0
+    y = torch._addmm_activation(b, x, w.t(), use_gelu=True).double()
+    pre = torch.addmm(b.double(), x.double(), w.double().t())
+    tanh_err = (y - torch.nn.functional.gelu(pre, approximate="tanh")).mean().abs().item()
+    erf_err = (y - torch.nn.functional.gelu(pre)).mean().abs().item()
+    assert tanh_err * 3 < erf_err, (tanh_err, erf_err)

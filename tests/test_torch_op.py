@@ -186,8 +186,9 @@ def test_a_bundle_torch_entry_with_a_source_is_rejected():
         bundle.check_metadata(dataclasses.replace(e, source=None, source_sha256=None, winner=None), now=2e9)
 
 
-@pytest.mark.parametrize("attrs", [{}, {"weight": "kn", "bias": "linear", "activation": "gelu_tanh", "form": "formula"},
-                                   {"bias": "add", "activation": "silu", "scale": 0.5, "residual": True}])
+@pytest.mark.parametrize("attrs", [{}, {"weight": "kn", "bias": "linear", "activation": "gelu", "form": "formula"},
+                                   {"bias": "add", "activation": "silu", "scale": 0.5, "residual": True},
+                                   {"bias": "linear", "activation": "relu", "scale": 2.0}])
 def test_linear_candidate_is_the_users_calls_on_the_weight_in_the_other_layout(attrs):
     """GPT-2's lm_head: cuBLAS's kernel for an odd N depends on the weight's storage order (H200: eager's
     4.4 ms vs Inductor's transposed copy + cuBLAS 0.61 ms). The candidate copies the weight transposed in
@@ -239,3 +240,72 @@ def test_a_linear_search_times_the_torch_candidate(tmp_path):
                         options=engine.SearchOptions(budget=1, workers=1, timeout=120))
     (torch_cand,) = [c for c in rep.candidates if c["variant"] == "torch"]
     assert torch_cand["status"] == "ok" and "transposed" in torch_cand["label"]
+
+
+@pytest.mark.parametrize("attrs", [
+    {"weight": "kn", "bias": "linear", "activation": "gelu_tanh", "form": "formula"},  # GPT-2's c_fc + gelu_new
+    {"bias": "linear", "activation": "gelu_tanh"},
+    {"bias": "add", "activation": "relu", "residual": True},
+    {"weight": "kn", "bias": "add", "activation": "relu"},
+])
+def test_a_bias_and_relu_or_tanh_gelu_make_cublaslt_s_epilogue_the_candidate(attrs):
+    """torch._addmm_activation: the GEMM with the bias and the activation applied to cuBLASLt's fp32
+    accumulator, one kernel where the user's code runs two to nine. Checked against the float64 oracle of the
+    user's formula at odd shapes, 2-D and 3-D x, both weight layouts, the residual added after it."""
+    from forge import ops
+    from forge.tuner.validate import compare
+
+    mod = ops.get("linear").module
+    cand = fused.candidate("linear", attrs)
+    assert cand is not None and "_addmm_activation" in cand.label
+    assert fused.get("linear", attrs) is cand and fused.get("linear") is fused.FUSED["linear"]
+    checked = 0
+    for shape, dtype in (((3, 5, 33, 24), "float32"), ((7, 17, 20), "bfloat16"), ((1, 5, 8), "float16"),
+                         ((1, 1, 40, 16), "float32")):
+        spec = mod.make_spec(shape, dtype, "cpu", attrs)
+        inputs = mod.make_inputs(spec, 2)
+        got = cand.fn(inputs, spec.attrs)
+        want = mod.reference(inputs, spec.attrs)
+        assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+        oracle, tolerance = mod.oracle(inputs, spec.attrs), mod.tolerance_for(spec)
+        # where the user's own code meets the oracle (on the CPU half precision rounds the GEMM before the
+        # activation), so must this
+        if compare(want, oracle, tolerance) is None:
+            assert compare(got, oracle, tolerance) is None, (shape, dtype)
+            checked += 1
+        tol = 1e-5 if dtype == "float32" else 2e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert checked >= 2
+
+
+def test_the_epilogue_is_no_candidate_for_what_cublaslt_does_not_compute():
+    """No bias, the erf GELU, silu, or a scale between the activation and the store: the other layout."""
+    for attrs in ({"activation": "gelu_tanh"}, {"bias": "linear", "activation": "gelu"},
+                  {"bias": "linear", "activation": "silu"}, {"bias": "linear", "activation": "relu", "scale": 0.5},
+                  {"bias": "linear"}):
+        assert "transposed" in fused.candidate("linear", attrs).label, attrs
+
+
+@cpu_only
+def test_a_torch_decision_is_served_only_by_the_torch_op_it_timed(tmp_path, monkeypatch):
+    """A cached "torch" decision names the call it timed; where this forge's torch op for the spec's
+    attributes is another one (forge/fused.py changed since), the shim runs the code as written and says why,
+    and bench refuses it, rather than serve a call the search never timed."""
+    import dataclasses
+
+    db = tmp_path / "forge.db"
+    rep = _search(tmp_path, {"approximate": "tanh", "form": "formula"})
+    assert rep.decision == "torch"
+    f = forge.optimize(tanh_formula, interpreter=True, cache=db, budget=2, warn=False, search=False)
+    x = torch.randn(*SHAPE)
+    assert forge.explain(f, x).uses == "torch"
+    cache = Cache(db)
+    (entry,) = cache.entries()
+    relabelled = [dict(c, label="torch.special.something_else") if c.get("variant") == "torch" else c
+                  for c in entry.candidates]
+    cache.put(dataclasses.replace(entry, candidates=relabelled))
+    g = forge.optimize(tanh_formula, interpreter=True, cache=db, budget=2, warn=False, search=False)
+    e = forge.explain(g, x)
+    assert e.uses == "eager" and "something_else" in e.reason and "F.gelu" in e.reason, e
+    y = g(x)
+    assert torch.equal(y, tanh_formula(x))  # the formula as written ran

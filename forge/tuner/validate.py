@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from forge.fused import TORCH_OP_VARIANT  # noqa: F401 - re-exported: the engine's torch-op candidate
 from forge.opkit import DISTRIBUTIONS, Tolerance
 
 
@@ -16,7 +17,6 @@ class CandidateRaised(Exception):
 # The "path" of the torch-op candidate (forge/fused.py): not a rendered file; workers run torch's fused op
 # for it, validated and timed like any candidate.
 TORCH_OP_PATH = "<torch op>"
-TORCH_OP_VARIANT = "torch"
 
 
 def run_call(call, inputs, sync):
