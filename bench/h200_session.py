@@ -12,7 +12,8 @@ next one still runs):
             shapes; --big-time-budget ends it cleanly, --big-cache DB continues it in a later call)
   layouts   issue 14's rows: `forge search --manifest bench/layouts.toml --json` -> DIR/layouts.json, then
             `forge bench --manifest bench/layouts.toml --max-autotune --json` on that cache -> DIR/layouts-bench.json
-            (--layouts-cache DB continues an earlier call's search; --layouts-bench-args replaces --max-autotune)
+            (--layouts-cache DB continues an earlier call's search; --layouts-bench-args replaces --max-autotune;
+            --layouts-manifest bench/gemm.toml runs that manifest instead: DIR/gemm.json, DIR/gemm-bench.json)
 --tests-marker "" runs what --tests names without `-m gpu` (the op tests then run their kernels on CUDA).
 Forge caches live in a temporary directory, never under DIR (the device tool brings back few files).
 The last thing printed is one table of every part.
@@ -47,6 +48,7 @@ def run(cmd: list[str], limit: float, log) -> tuple[int | str, float]:
 def tests(out: Path, work: Path, args) -> list[str]:
     xml = out / "gpu-tests.xml"
     marker = ["-m", args.tests_marker] if args.tests_marker else []
+    marker += ["-k", args.tests_k] if args.tests_k else []
     rc, wall = run([sys.executable, "-m", "pytest", "-q", *marker, "-p", "no:cacheprovider",
                     f"--junitxml={xml}", *args.tests.split()], args.tests_limit, sys.stdout)
     lines = [f"tests: rc {rc}, {wall:.0f} s"]
@@ -150,21 +152,23 @@ def big(out: Path, work: Path, args) -> list[str]:
 
 
 def layouts(out: Path, work: Path, args) -> list[str]:
-    """Issue 14: bench/layouts.toml searched (its own budget, 50), then every row benched interleaved against
-    eager, the fused torch op, torch.compile (default and max-autotune-no-cudagraphs) and Liger."""
-    db = work / "layouts.db"
+    """Issue 14: bench/layouts.toml (or --layouts-manifest M: its files are named after M's stem) searched
+    (its own budget), then every row benched interleaved against eager, the fused torch op, torch.compile
+    (default and max-autotune-no-cudagraphs) and Liger."""
+    name = Path(args.layouts_manifest).stem
+    db = work / f"{name}.db"
     if args.layouts_cache:  # an earlier call's DIR/layouts.db: its entries are not searched again
         import shutil
 
         shutil.copyfile(args.layouts_cache, db)
-    cmd = [*FORGE, "search", "--manifest", "bench/layouts.toml", "--json", "--cache", str(db)]
+    cmd = [*FORGE, "search", "--manifest", args.layouts_manifest, "--json", "--cache", str(db)]
     if args.layouts_time_budget:
         cmd += ["--time-budget", str(args.layouts_time_budget)]
-    lines = _manifest_part("layouts", out, cmd, args.layouts_limit, db)
+    lines = _manifest_part(name, out, cmd, args.layouts_limit, db)
     if not args.layouts_bench_limit:  # search only: DIR/layouts.db continues it (forge bench --cache) later
         return lines
-    dst = out / "layouts-bench.json"
-    cmd = [*FORGE, "bench", "--manifest", "bench/layouts.toml", *args.layouts_bench_args.split(), "--json",
+    dst = out / f"{name}-bench.json"
+    cmd = [*FORGE, "bench", "--manifest", args.layouts_manifest, *args.layouts_bench_args.split(), "--json",
            "--cache", str(db)]
     with open(dst, "w") as fh:
         t0 = time.monotonic()
@@ -173,7 +177,7 @@ def layouts(out: Path, work: Path, args) -> list[str]:
             rc: int | str = subprocess.run(cmd, stdout=fh, timeout=args.layouts_bench_limit).returncode
         except subprocess.TimeoutExpired:
             rc = f"timeout after {args.layouts_bench_limit:.0f} s"
-    lines.append(f"layouts bench: rc {rc}, {time.monotonic() - t0:.0f} s")
+    lines.append(f"{name} bench: rc {rc}, {time.monotonic() - t0:.0f} s")
     try:
         doc = json.loads(dst.read_text())
     except json.JSONDecodeError:
@@ -205,6 +209,8 @@ def main() -> int:
     ap.add_argument("--big-limit", type=float, default=560)
     ap.add_argument("--big-time-budget", type=float, default=None, help="forge search --time-budget for big")
     ap.add_argument("--big-cache", type=Path, default=None, help="a big.db from an earlier call to continue")
+    ap.add_argument("--tests-k", default="", help="pytest -k for the tests part")
+    ap.add_argument("--layouts-manifest", default="bench/layouts.toml", help="the manifest the layouts part runs")
     ap.add_argument("--layouts-limit", type=float, default=330)
     ap.add_argument("--layouts-time-budget", type=float, default=None, help="forge search --time-budget for layouts")
     ap.add_argument("--layouts-bench-limit", type=float, default=300, help="0: search only, no bench")
