@@ -17,7 +17,8 @@ Models (random weights from configs, bf16, torch.no_grad()):
 
 Per model: (1) tune: one forward through the forge backend with miss="record" writes the model's
 untuned regions to a manifest; `forge search --manifest` tunes them (--budget; its wall time is
-reported); (2) every contestant is built and called once (first-call seconds: the forge backend on a
+reported); repeated (at most 3 rounds) while a forward records new misses: the parts of regions decided
+eager; (2) every contestant is built and called once (first-call seconds: the forge backend on a
 warm forge cache, torch.compile's compilation, Liger's patching); (3) timing, interleaved: rounds of
 N forwards per contestant in turn (CUDA events around the N forwards: call latency per forward,
 host dispatch included), the median round per contestant; (4) device time per forward (the kernels'
@@ -286,34 +287,48 @@ def kernel_times(prof, iters: int, names: frozenset = frozenset()) -> dict:
             "top": [(k[:90], round(v / iters / 1e3, 4)) for k, v in sorted(every.items(), key=lambda kv: -kv[1])[:12]]}
 
 
-def tune(name: str, cache: Path, work: Path, budget: int) -> dict:
+def tune(name: str, cache: Path, work: Path, budget: int, rounds: int = 3) -> dict:
+    """Record the model's untuned regions, search them; again while a round records new ones: a region the
+    search decided eager is split into its parts on the next forward (forge/regions.py), which are new misses
+    (a SwiGLU MLP left to cuBLAS still gets its silu(g) * u kernel)."""
     from forge.backend import Backend
 
-    todo = work / f"{name}-misses.toml"
-    todo.unlink(missing_ok=True)
     model, args, step, _ = build(name)
-    torch._dynamo.reset()
-    be = Backend(miss="record", manifest=todo, cache=cache)
-    compiled = torch.compile(model, backend=be, dynamic=False)
-    with torch.no_grad():
-        kw = args()
-        step(compiled, kw)
-        step(compiled, kw)  # decode's steady state: the cache cropped back (other strides: Dynamo recompiles)
-    torch._dynamo.reset()
-    doc = {"regions": len(be.regions), "recorded": sum("recorded" in r.reason for r in be.regions),
-           "not_tunable": sorted({f"{r.op}: {r.reason}" for r in be.regions if r.reason.startswith("not tunable")})}
-    if not todo.exists():
-        return {**doc, "search": "nothing to tune"}
-    t0 = time.monotonic()
-    res = subprocess.run([*FORGE, "search", "--manifest", str(todo), "--budget", str(budget), "--json",
-                          "--cache", str(cache)], capture_output=True, text=True, timeout=540)
-    doc["search_wall_s"] = round(time.monotonic() - t0, 1)
-    try:
-        s = json.loads(res.stdout)
-        doc["entries"] = [{k: e.get(k) for k in ("op", "shape", "dtype", "status", "decision", "speedup", "winner",
-                                                 "p50_us", "eager_p50_us", "error")} for e in s.get("entries", [])]
-    except json.JSONDecodeError:
-        doc["search_error"] = (res.stderr or res.stdout)[-800:]
+    doc: dict = {"rounds": []}
+    for i in range(rounds):
+        todo = work / f"{name}-misses-{i}.toml"
+        todo.unlink(missing_ok=True)
+        torch._dynamo.reset()
+        be = Backend(miss="record", manifest=todo, cache=cache)
+        compiled = torch.compile(model, backend=be, dynamic=False)
+        with torch.no_grad():
+            kw = args()
+            step(compiled, kw)
+            step(compiled, kw)  # decode's steady state: the cache cropped back (other strides: Dynamo recompiles)
+        torch._dynamo.reset()
+        rnd: dict = {"regions": len(be.regions), "recorded": sum("recorded" in r.reason for r in be.regions),
+                     "not_tunable": sorted({f"{r.op}: {r.reason}" for r in be.regions
+                                            if r.reason.startswith("not tunable")})}
+        doc["rounds"].append(rnd)
+        if not todo.exists():
+            rnd["search"] = "nothing to tune"
+            break
+        t0 = time.monotonic()
+        res = subprocess.run([*FORGE, "search", "--manifest", str(todo), "--budget", str(budget), "--json",
+                              "--cache", str(cache)], capture_output=True, text=True, timeout=540)
+        rnd["search_wall_s"] = round(time.monotonic() - t0, 1)
+        try:
+            s = json.loads(res.stdout)
+            rnd["entries"] = [{k: e.get(k) for k in ("op", "shape", "dtype", "status", "decision", "speedup",
+                                                     "winner", "p50_us", "eager_p50_us", "error")}
+                              for e in s.get("entries", [])]
+        except json.JSONDecodeError:
+            rnd["search_error"] = (res.stderr or res.stdout)[-800:]
+    # the first round's keys where readers of earlier results files look for them
+    first = doc["rounds"][0]
+    doc.update({k: first[k] for k in ("regions", "recorded", "not_tunable")})
+    doc["search_wall_s"] = round(sum(r.get("search_wall_s", 0) for r in doc["rounds"]), 1)
+    doc["entries"] = [e for r in doc["rounds"] for e in r.get("entries", [])]
     return doc
 
 

@@ -612,12 +612,12 @@ GEMM_GPU_GRID = {
     # point of GROUP_M), and the loop flattened or not (tl.range(flatten=): the compiler pipelines the
     # flattened tile x K loop across tile boundaries, as triton's persistent tutorial does on Hopper; not
     # yet measured here). 196 points at 4096^3 bf16 (84 in fp32), next to tiled's 748: affordable in a
-    # budget-50 search. WS: the tile loop warp-specialised (tl.range(warp_specialize=True): producer warps
-    # issue the TMA loads, consumer warpgroups the MMAs; on Hopper only with the loop not flattened), 98
-    # more points at 4096^3; NOT YET MEASURED on the H200 (issue 16 keeps a knob only where it pays).
+    # budget-50 search. Not here: warp specialisation (tl.range(warp_specialize=True), unflattened loops):
+    # on the H200 with triton 3.6 (bench/results/h200-gemm-2026-12-06-a.json) its 4-warp points failed to
+    # compile ("PassManager::run failed"), hung (a 120 s timeout) or wrote NaN (caught by validation), and its
+    # 8-warp points timed 0-1% slower than the same tiles without it (156.2 vs 153.8 us, 373.3 vs 370.3).
     "persistent": {"BLOCK_M": [64, 128, 256], "BLOCK_N": [64, 128, 256], "BLOCK_K": [32, 64, 128],
-                   "GROUP_M": [8], "num_warps": [4, 8], "num_stages": [3, 4, 5], "FLATTEN": [False, True],
-                   "WS": [False, True]},
+                   "GROUP_M": [8], "num_warps": [4, 8], "num_stages": [3, 4, 5], "FLATTEN": [False, True]},
 }
 # The interpreter: small blocks (it is slow at tl.dot), and no pipelining (num_stages means nothing).
 GEMM_CPU_GRID = {
@@ -627,7 +627,7 @@ GEMM_CPU_GRID = {
                "num_warps": [4], "num_stages": [1]},
     # FLATTEN has no meaning on the interpreter (its loop is rendered differently: matmul_persistent.j2).
     "persistent": {"BLOCK_M": [16, 32], "BLOCK_N": [16, 32], "BLOCK_K": [16, 32], "GROUP_M": [2],
-                   "num_warps": [4], "num_stages": [1], "FLATTEN": [False], "WS": [False]},
+                   "num_warps": [4], "num_stages": [1], "FLATTEN": [False]},
 }
 # fp32 accumulator values per thread: above 128 (of 255 registers) the A/B fragments and addresses
 # no longer fit and the kernel spills; below 4 a warp covers less than one MMA instruction's tile.
@@ -682,10 +682,6 @@ def gemm_space(dims: tuple[int, int, int, int], device: str, dtype: str, variant
             # Grouping only reorders programs when there are several tile rows and columns.
             return p["GROUP_M"] == 1 or (-(-m // bm) > 1 and -(-n // bn) > 1)
         if c.variant == "persistent":
-            # Triton warp-specialises a flattened tile loop on Blackwell only (tritonbench prunes WS with
-            # flatten=True on Hopper for the same reason).
-            if p.get("WS") and p.get("FLATTEN"):
-                return False
             # One program per SM only differs from `tiled` when some program gets more than one tile
             # (the interpreter's nominal SMs are few: there it is always worth rendering).
             return not on_gpu or tiles > hardware.GPU_SMS
@@ -793,9 +789,8 @@ def flat_rows(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
 def persistent_gemm_context(cand: Candidate, device: str) -> dict:
     """The render context every persistent GEMM template (linear, swiglu) shares: the interpreter's loop
     bounds as constexprs (triton 3.6's interpreter takes no runtime loop bound, as in matmul's), its nominal
-    SM count, and the loop's flags (FLATTEN; WS: tl.range(warp_specialize=True), rendered only when set)."""
-    return {"K_CONSTEXPR": device != "cuda", "CPU_SMS": hardware.CPU_SMS, "FLATTEN": bool(cand.p["FLATTEN"]),
-            "WS": bool(cand.p.get("WS", False))}
+    SM count, and the loop's flag FLATTEN."""
+    return {"K_CONSTEXPR": device != "cuda", "CPU_SMS": hardware.CPU_SMS, "FLATTEN": bool(cand.p["FLATTEN"])}
 
 
 # The K that a GEMM's tolerance(dtype) assumes when it is not told K (forge/tuner/validate.py passes only

@@ -239,7 +239,6 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
         ctx.update(SAB=sa[0], SAM=sa[1], SAK=sa[2], SBB=sb[0], SBK=sb[1], SBN=sb[2],
                    A_STRIDES=tuple(a.strides), B_STRIDES=tuple(b.strides))
     if cand.variant == "persistent":
-        ctx["WS"] = bool(cand.p.get("WS", False))  # tl.range(warp_specialize=True), rendered only when set
         # The descriptors' strides: the spec's, except that a leading dim of size 1 (whose stride the
         # shim does not check and TMA never steps) gets the row length, which _tma_ok made 16-byte aligned.
         ctx.update(A_DESC_STRIDES=[a.strides[0] if a.shape[0] > 1 else a.shape[1], 1],
@@ -300,7 +299,7 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
                                 num_stages=1)]
     if len(shape) == 3 and shape[1] % 8 == 0 and k % 8 == 0 and spec.inputs[0].contiguous and spec.inputs[1].contiguous:
         out.append(opkit.Candidate.make("persistent", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=2, num_warps=4,
-                                        num_stages=1, FLATTEN=False, WS=False))
+                                        num_stages=1, FLATTEN=False))
     return out
 
 

@@ -203,7 +203,7 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
     # where TMA can read the operands in every dtype the test runs these in (K a multiple of 8)
     if "persistent" in space(spec).variants and problem_shape(spec)[-1] % 8 == 0:
         out.append(opkit.Candidate.make("persistent", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4,
-                                        num_stages=1, FLATTEN=False, WS=False))
+                                        num_stages=1, FLATTEN=False))
     return out
 
 
