@@ -205,13 +205,13 @@ class Backend:
         # the decided regions from the cache; a region splits at most once per cut, so this ends.
         rejected: set = set()
 
-        def split(r) -> bool:
-            return (r.root, frozenset(r.nodes)) in rejected
+        def split(r) -> bool:  # by op too: another family matching the same nodes is another spec
+            return (r.root, frozenset(r.nodes), r.op) in rejected
 
         while True:
             regions, unmatched = find_regions(g, device, index, split=split)
             swaps, reports = self._resolve_all(g, regions, index)
-            eager = {(r.root, frozenset(r.nodes)) for r, rep in zip(regions, reports, strict=True)
+            eager = {(r.root, frozenset(r.nodes), r.op) for r, rep in zip(regions, reports, strict=True)
                      if len(r.nodes) > 1 and rep.reason.startswith(EAGER_DECIDED)} - rejected
             if not eager:
                 break
