@@ -178,13 +178,11 @@ class Block(nn.Module):
         return F.gelu(self.fc(h), approximate="tanh")
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="exercises the interpreter path (CPU tensors)")
-def test_backend_swaps_linear_and_swiglu_regions(tmp_path, monkeypatch):
+def _block_through_the_backend(tmp_path):
+    """Block's eager output and its output through a forge Backend (searching misses at budget 1) on the
+    second call: (model, x, backend, got, ref)."""
     from forge import backend as fb
-    from forge.tuner import stats
 
-    monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)  # the interpreter never beats eager
-    monkeypatch.setenv("FORGE_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
     model, x = Block().eval(), torch.randn(2, 5, 16)
     with torch.no_grad():
@@ -196,6 +194,16 @@ def test_backend_swaps_linear_and_swiglu_regions(tmp_path, monkeypatch):
         compiled(x)
         got = compiled(x)
     torch._dynamo.reset()
+    return model, x, be, got, ref
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="exercises the interpreter path (CPU tensors)")
+def test_backend_swaps_linear_and_swiglu_regions(tmp_path, monkeypatch):
+    from forge.tuner import stats
+
+    monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)  # the interpreter never beats eager
+    monkeypatch.setenv("FORGE_CACHE", str(tmp_path / "cache"))
+    model, x, be, got, ref = _block_through_the_backend(tmp_path)
     rep = be.explain()
     used = sorted((r.op, r.uses) for r in rep.regions)
     assert used == [("linear", "kernel"), ("linear", "kernel"), ("swiglu", "kernel")], rep
@@ -210,7 +218,6 @@ def test_backend_splits_a_region_decided_eager(tmp_path, monkeypatch):
     """A SwiGLU region whose search decides eager is split: its gate and up projections and silu(g) * u become
     regions of their own, resolved on their own (silu_mul's kernel runs), as eager-decided regions are in
     `forge trace` with the same cache; the model's output is unchanged."""
-    from forge import backend as fb
     from forge import shim
     from forge.cache import Cache
     from forge.tuner import stats, tracetools
@@ -225,17 +232,7 @@ def test_backend_splits_a_region_decided_eager(tmp_path, monkeypatch):
 
     monkeypatch.setattr(shim, "_search_on_miss", searcher)
     monkeypatch.setenv("FORGE_CACHE", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    model, x = Block().eval(), torch.randn(2, 5, 16)
-    with torch.no_grad():
-        ref = model(x)
-    be = fb.Backend(miss="search", budget=1, interpreter=True, cache=str(tmp_path / "cache"))
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=be)
-    with torch.no_grad():
-        compiled(x)
-        got = compiled(x)
-    torch._dynamo.reset()
+    model, x, be, got, ref = _block_through_the_backend(tmp_path)
     assert searched.count("swiglu") == 1, searched  # searched once: the second round reads its eager decision
     used = sorted((r.op, r.uses) for r in be.explain().regions)
     # down + residual, gate, up, silu(g) * u and fc + gelu: every one a kernel; no swiglu region is left
