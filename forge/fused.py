@@ -133,7 +133,7 @@ def _linear_act_epilogue(inputs, attrs):
     accumulator (its RELU_BIAS / GELU_BIAS epilogues; where cuBLASLt cannot take the call, torch's CUDA code
     runs addmm then relu_ or gelu_(approximate="tanh"): the same function), on x's rows flattened and viewed
     back; the residual added after it. On CUDA only: torch's CPU _addmm_activation applies the erf GELU, so
-    there the same function is spelled as addmm, then F.gelu(approximate="tanh") in place. That cuBLASLt's
+    there the same function is spelled as addmm, then F.gelu(approximate="tanh"). That cuBLASLt's
     GELU is the tanh one is checked on the GPU (tests/test_gpu.py) in fp32 and bf16."""
     import torch
 
@@ -144,7 +144,7 @@ def _linear_act_epilogue(inputs, attrs):
     if x.is_cuda or not gelu:
         y = torch._addmm_activation(inputs[2], x.reshape(-1, k), wt, use_gelu=gelu)
     else:
-        y = torch._C._nn.gelu_(torch.addmm(inputs[2], x.reshape(-1, k), wt), approximate="tanh")
+        y = torch.nn.functional.gelu(torch.addmm(inputs[2], x.reshape(-1, k), wt), approximate="tanh")
     y = y.view(*x.shape[:-1], wt.shape[1])
     return y + inputs[3] if attrs.get("residual") else y
 
