@@ -228,10 +228,14 @@ def candidate(op: str, attrs: dict) -> Fused | None:
     return f
 
 
-def recorded_label(candidates: list) -> str | None:
-    """The label of the torch-op candidate a cache entry's search timed (its candidates' summaries), or None
-    where none is recorded. A "torch" decision stands for that call: another one is not what was timed."""
+def timed_other_call(candidates: list, f: Fused) -> str | None:
+    """Why a cached "torch" decision may not be served by `f`: the torch-op candidate its search timed (its
+    candidates' summaries) had another label, i.e. another call (forge/fused.py changed since). None where it
+    is f's call or no label was recorded."""
     for c in candidates or ():
         if isinstance(c, dict) and c.get("variant") == TORCH_OP_VARIANT and c.get("label"):
-            return str(c["label"])
+            if c["label"] != f.label:
+                return (f"the cached decision is the torch op {c['label']!r}, but this forge's torch op for these "
+                        f"attributes is {f.label!r}")
+            return None
     return None

@@ -568,11 +568,9 @@ def _torch_decision(op, entry, loc, spec, indices, inputs, attrs, getters) -> tu
         diff = keys.env_diff(entry.env, loc.env)
         return None, Explanation("eager", f"cached entry was made for another environment ({', '.join(diff)})",
                                  op=op.name, key=entry.key)
-    timed = fused.recorded_label(entry.candidates)
-    if timed is not None and timed != f.label:
-        return None, Explanation("eager", f"cached decision is the torch op {timed!r}, but this forge's torch op for "
-                                 f"these attributes is {f.label!r} (search again to time it)", op=op.name,
-                                 key=entry.key)
+    other = fused.timed_other_call(entry.candidates, f)
+    if other is not None:
+        return None, Explanation("eager", f"{other} (search again to time it)", op=op.name, key=entry.key)
     why = Explanation("torch", f"cached: torch's {f.label} {entry.speedup or 0:.2f}x faster than the code as "
                       "written (and than every forge kernel)", op=op.name, key=entry.key, variant="torch")
     return _TorchCall(f, spec, indices, inputs, attrs, getters), why

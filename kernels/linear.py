@@ -303,12 +303,12 @@ _ODD_N_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, 
 
 def default(spec: KernelSpec) -> opkit.Candidate:
     sp = space(spec)
-    _, m, n, k = _dims(problem_shape(spec))
-    if spec.device == "cuda" and n * spec.inputs[0].itemsize % opkit.TMA_ALIGN and "persistent" in sp.variants:
+    dims = _dims(problem_shape(spec))
+    if spec.device == "cuda" and dims[2] * spec.inputs[0].itemsize % opkit.TMA_ALIGN and "persistent" in sp.variants:
         cand = opkit.Candidate.make("persistent", **_ODD_N_DEFAULT)
         if cand in sp:
             return cand
-    return opkit.gemm_default(_dims(problem_shape(spec)), spec.device, spec.dtype, sp)
+    return opkit.gemm_default(dims, spec.device, spec.dtype, sp)
 
 
 # The epilogue on the fp32 accumulator `acc`, with `cols` (the output column of each element), `offs`

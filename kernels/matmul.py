@@ -171,10 +171,6 @@ def space(spec: KernelSpec) -> opkit.Space:
     return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype, variants=variants)
 
 
-# TMA's rules (a 16-byte aligned base, 16-byte multiple strides, the last stride 1): opkit.TMA_ALIGN.
-TMA_ALIGN = opkit.TMA_ALIGN
-
-
 def _tma_ok(spec: KernelSpec) -> bool:
     """Whether the persistent (TMA) variant may render for this spec: 2-D operands (bmm would need 3-D
     descriptors whose tiles must not cross a batch: left to `tiled`), and A (M, K), B (K, N) and the
@@ -196,14 +192,11 @@ def _tma_ok(spec: KernelSpec) -> bool:
     m, k = a.shape
     n = b.shape[-1]
     item = a.itemsize
-
-    def rows_ok(shape, strides) -> bool:
-        # A size-1 dim's stride never matters (and is not checked by the shim): the descriptor is
-        # built with the spec's strides, which only need to satisfy TMA for the dims that are real.
-        return strides[-1] == 1 and (shape[0] == 1 or strides[0] * item % TMA_ALIGN == 0)
-
-    return (k * item % TMA_ALIGN == 0 and n * item % TMA_ALIGN == 0 and m >= 1
-            and rows_ok(a.shape, a.strides) and rows_ok(b.shape, b.strides))
+    # opkit.tma_row_stride: a last stride of 1 and a 16-byte multiple row stride; a single row's stride
+    # never matters (and is not checked by the shim), only the dims that are real must satisfy TMA.
+    return (k * item % opkit.TMA_ALIGN == 0 and n * item % opkit.TMA_ALIGN == 0 and m >= 1
+            and opkit.tma_row_stride(m, k, a.strides[0], a.strides[1], item) is not None
+            and opkit.tma_row_stride(k, n, b.strides[0], b.strides[1], item) is not None)
 
 
 def problem_shape(spec: KernelSpec) -> tuple[int, ...]:

@@ -150,13 +150,12 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
     if "forge" in opts.skip:
         c.status, c.reason = Status.SKIPPED, "--skip forge"
     elif entry.decision == "torch":  # what forge serves for this spec: torch's fused op (forge/fused.py)
-        timed = fused_ops.recorded_label(entry.candidates)
+        other = fused_ops.timed_other_call(entry.candidates, torch_op) if torch_op is not None else None
         if torch_op is None:
             c.status, c.reason = Status.REFUSED, (f"the cached decision is a torch op, but this forge knows none for "
                                                   f"{target.op} {attrs}; forge cache rm {entry.key[:12]}")
-        elif timed is not None and timed != torch_op.label:
-            c.status, c.reason = Status.REFUSED, (f"the cached decision is the torch op {timed!r}, this forge's for "
-                                                  f"these attributes is {torch_op.label!r}: search again (--force)")
+        elif other is not None:
+            c.status, c.reason = Status.REFUSED, f"{other}: search again (--force)"
         else:
             c.call, c.timing = generic(torch_op.fn)
     elif entry.decision != "kernel":
