@@ -2,10 +2,10 @@
 
 Usage (on the GPU machine, from the repo root; liger-kernel optional):
     PYTHONPATH=. python3 bench/models.py --out DIR [--models llama,gpt2,decode,block] [--budget 20]
-        [--modes eager,forge,compile,max-autotune,liger,forge-cudagraphs,compile-cudagraphs] [--cache DB]
+        [--modes eager,forge,compile,max-autotune,liger,forge-cudagraphs,compile-cudagraphs,forge-inductor] [--cache DB]
         [--no-tune]
 (forge-cudagraphs: the forge backend with cudagraphs=True; compile-cudagraphs: torch.compile's
-mode="reduce-overhead", its own CUDA graphs)
+mode="reduce-overhead", its own CUDA graphs; forge-inductor: the forge backend with rest="inductor")
 
 Models (random weights from configs, bf16, torch.no_grad()):
   llama   HF LlamaForCausalLM, 4 layers, hidden 2048, 16/4 heads, ff 5632, vocab 32000; prefill 4x1024
@@ -164,11 +164,14 @@ def contestant(mode: str, name: str, cache: Path):
     model = build(name)[0]
     if mode == "eager":
         return model, None
-    if mode in ("forge", "forge-cudagraphs", "forge-profiled"):
+    if mode in ("forge", "forge-cudagraphs", "forge-profiled", "forge-inductor"):
         from forge.backend import Backend
 
+        # forge-inductor: rest="inductor", everything outside forge's regions compiled by Inductor (forge's
+        # kernels as the opaque custom op forge::region): the glue (views, residual adds, embeddings) fused
+        # and launched from Inductor's wrapper instead of one Python-dispatched eager op each
         be = Backend(miss="eager", cache=cache, cudagraphs=mode == "forge-cudagraphs",
-                     profile_regions=mode == "forge-profiled")
+                     profile_regions=mode == "forge-profiled", rest="inductor" if mode == "forge-inductor" else "eager")
         return torch.compile(model, backend=be, dynamic=False), be
     if mode == "compile":
         return torch.compile(model), None
@@ -390,7 +393,8 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
             c["graphs"] = rep.graphs
             c["region_report"] = [str(r) for r in rep.regions][:60]
             c["unmatched"] = [f"graph {g} {node}: {call}: {why}" for g, node, call, why in rep.unmatched][:80]
-            c["kernel_calls"] = [{"op": k.__name__, "launch": k.binding.launch, "fast": k.binding.fast,
+            c["kernel_calls"] = [{"op": k.__name__, "launch": k.binding.launch,
+                                  "fast": "C++" if k.fast is not None else k.fast_reason,
                                   "calls": k.calls, "fallbacks": k.fallbacks} for k in backends[mode].kernel_calls]
             c["cudagraphs"] = [f"graph {g}: {what}" for g, what in rep.cudagraphs]
         row["contestants"][mode] = c
@@ -423,7 +427,7 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
                 top_other_kernels_ms=d["top_other"])
         # the peers' device time too (side by side); not the CUDA-graph modes: the profiler's view of graph
         # replays is not the per-kernel activity of the others
-        for mode in ("compile", "max-autotune"):
+        for mode in ("compile", "max-autotune", "forge-inductor"):
             if mode in runs:
                 peer = device_time(runs[mode])
                 row["device"][f"{mode}_ms"] = round(peer["total"], 4)

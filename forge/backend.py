@@ -344,26 +344,61 @@ class _RegionCall:
         # the kernel's output stacks the root's value with the shared node's even where nothing outside
         # reads the latter (extra == 0): the root's value is then its [0]
         self.kernel_stacked = stacked or bool(extra)
-        if extra:  # stacked: contiguous (1 + extra, *shape), as the op's alloc_output makes it
-            shape = (1 + extra, *out.shape)
-            import torch
+        # out_meta: the layout the custom op forge::region declares (rest="inductor": Inductor compiles the
+        # code around it for that layout and asserts it). A forge kernel writes a contiguous output (every
+        # family's alloc_output), whatever layout eager's value had (rope on HF's transposed q keeps it
+        # transposed); stacked: contiguous (1 + extra, *shape). Anything else (torch's op): eager's layout.
+        # The op brings whatever a call returns to this layout (the fallback path's eager layout gets a copy).
+        import torch
 
+        if extra or isinstance(binding, shim._Binding):
+            shape = (1 + extra, *out.shape) if extra else tuple(out.shape)
             stride = tuple(int(x) for x in torch.empty(shape, device="meta").stride())
             self.out_meta = (shape, stride, out.dtype)
         else:
             self.out_meta = (tuple(out.shape), tuple(out.stride()), out.dtype)
         self.calls = self.fallbacks = 0
+        # The C++ fast call (forge/_fastcall.cpp), as @forge.optimize has it: once the binding has its
+        # compiled launch plan, one C++ call checks the leaves against the signature the call was made for
+        # (sizes, strides, dtype, device, no grad, alignment, grad mode, autocast off), allocates and
+        # launches; any other call takes the Python path below. None: not made (yet); fast_reason: why never.
+        self.fast = None
+        self.fast_reason: str | None = None
+        if isinstance(binding, shim._TorchCall):
+            self.fast_reason = "a torch op (no forge kernel to launch)"
+        elif getattr(binding, "getters", ()):
+            self.fast_reason = "the binding fetches module parameters itself"
         self.__name__ = f"forge_{getattr(getattr(binding, 'spec', None), 'op', 'kernel')}"  # fx names nodes so
 
     def _guarded(self, leaves):
         """(the result, True) from the kernel, or (the region's own nodes' result, False)."""
+        fast = self.fast
+        if fast is not None:
+            out = fast(*leaves)  # None unless the leaves are exactly the signature it was made for
+            if out is not None:
+                self.calls += 1
+                return out, True
         h = shim._hot
         self.calls += 1
         if (h["autocast"]() == self.autocast and not (self.needs_no_grad and h["grad"]())
                 and tuple(shim._tensor_sig(t) for t in leaves) == self.sig):
-            return self.binding(list(leaves)), True
+            out = self.binding(list(leaves))
+            if fast is None and self.fast_reason is None and getattr(self.binding, "plan", None) is not None:
+                self._offer_fast(leaves, out)
+            return out, True
         self.fallbacks += 1
         return self.fallback(*leaves), False
+
+    def _offer_fast(self, leaves: tuple, out) -> None:
+        """After a call through the binding's compiled plan: make the C++ fast call for these leaves (None
+        while the extension builds: the next call asks again)."""
+        from forge import fastcall
+
+        sources = [i if i is not None else d for i, d in self.binding.slots]
+        try:
+            self.fast = fastcall.make(self.binding.plan, tuple(leaves), sources, out, shim._hot["grad"]())
+        except fastcall.Unsupported as exc:
+            self.fast_reason = str(exc)
 
     def __call__(self, *leaves):
         out, kernel = self._guarded(leaves)
@@ -484,8 +519,11 @@ def _region_op():
         def region(handle, leaves):
             call = _HANDLES[handle]
             out = call.stacked(*leaves) if call.extra else call(*leaves)
+            shape, stride, _ = call.out_meta
+            if tuple(out.stride()) != stride:  # the layout the fake declared (Inductor asserts it)
+                out = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
             # A custom op's output may not alias its inputs (a fallback region could return one of them).
-            if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in leaves):
+            elif any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in leaves):
                 out = out.clone()
             return out
 

@@ -242,6 +242,44 @@ def test_inductor_runs_the_rest_with_kernels_as_custom_ops(monkeypatch):
     torch._dynamo.reset()
 
 
+def _transposed_chain(x):
+    t = x.t()  # a pointwise region over a transposed view: eager's value keeps the transposed layout
+    return torch.cumsum(t * torch.sigmoid(t) + 1.0, dim=0)  # cumsum: no family, compiled by Inductor
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["contiguous", "eager"])
+def test_inductor_gets_the_layout_the_region_op_declares(monkeypatch, layout):
+    """rest="inductor": the custom op forge::region declares one output layout (a kernel's contiguous one, or
+    eager's) and Inductor compiles the code after it for that layout (it asserts it on the GPU: the
+    hand-written Llama block failed so on 2026-12-06). A call that returns another layout (a forge kernel's
+    contiguous output where eager's was transposed, or the region's own nodes on a fallback) is brought to the
+    declared one: right values either way."""
+    calls: list = []
+    fake = _fake_resolve(calls)
+
+    def resolve(*a, **k):
+        binding, why = fake(*a, **k)
+        if layout == "contiguous":
+            inner = binding.__call__
+            binding.__call__ = None
+            return (lambda leaves: inner(leaves).contiguous()), why
+        return binding, why
+    monkeypatch.setattr(shim, "resolve", resolve)
+    be = fb.Backend(miss="eager", rest="inductor", interpreter=True)
+    x = torch.randn(8, 32)
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(_transposed_chain, backend=be, dynamic=False)
+        f(x)
+        for _ in range(2):
+            x = torch.randn(8, 32)
+            torch.testing.assert_close(f(x), _transposed_chain(x))
+        assert be.explain().kernels == 1, be.explain()
+    finally:
+        torch._dynamo.reset()
+
+
 def test_bad_options_are_usage_errors():
     with pytest.raises(UsageError, match="miss='tune'"):
         fb.Backend(miss="tune")

@@ -385,3 +385,66 @@ def test_shim_serves_an_eager_signature_through_the_eager_call_once_per_call(mon
     base = len(runs)
     assert opt(y) is None and opt(y) is None and len(runs) == base + 2
     assert list(opt._fast_off.values()) == ["not every tensor argument is on CUDA"]
+
+
+def test_backend_region_calls_take_the_fast_call_once_the_plan_exists(monkeypatch):
+    """forge/backend.py _RegionCall: the first plan-path call makes the fast call (sources from the
+    binding's slots, held tensors included; the grad mode of that call); later calls go through it; a call
+    it refuses (None) takes the guarded Python path; a torch op never asks; a refusal is not asked again."""
+    from forge import backend, shim
+
+    made = []
+
+    class Fake:
+        def __init__(self, shape):
+            self.shape, self.calls = shape, 0
+
+        def __call__(self, *leaves):
+            if tuple(leaves[0].shape) == self.shape:
+                self.calls += 1
+                return torch.full(self.shape, 7.0)
+            return None
+
+    held = torch.ones(8)
+
+    def fake_make(plan, args, sources, out, grad):
+        assert sources == [0, held] and grad is torch.is_grad_enabled() and out.shape == (2, 8)
+        if plan == "building":
+            return None
+        made.append(Fake(tuple(args[0].shape)))
+        return made[-1]
+
+    monkeypatch.setattr(fastcall, "make", fake_make)
+
+    class Binding:
+        plan, getters, slots = None, (), [(0, None), (None, held)]
+
+        def __call__(self, tensors, root=None):
+            return tensors[0] * 2
+
+    x = torch.randn(2, 8)
+    b = Binding()
+    call = backend._RegionCall(b, [x], lambda t: t + 100, x * 2)
+    assert torch.equal(call(x), x * 2) and call.fast is None  # no plan yet (the JIT path records it)
+    b.plan = "building"
+    assert torch.equal(call(x), x * 2) and call.fast is None and call.fast_reason is None  # asked again later
+    b.plan = "compiled"
+    assert torch.equal(call(x), x * 2) and len(made) == 1  # made after this plan-path call
+    assert torch.equal(call(x), torch.full((2, 8), 7.0)) and made[0].calls == 1
+    y = torch.randn(3, 8)  # another signature: the fast call refuses, the guard sends it to the region's nodes
+    assert torch.equal(call(y), y + 100) and call.fallbacks == 1 and len(made) == 1
+    assert call.calls == 5
+
+    def refuse(*a):
+        raise fastcall.Unsupported("no")
+    monkeypatch.setattr(fastcall, "make", refuse)
+    other = backend._RegionCall(b, [x], lambda t: t, x * 2)
+    other(x)
+    assert other.fast is None and other.fast_reason == "no"
+    monkeypatch.setattr(fastcall, "make", lambda *a: pytest.fail("asked again"))
+    other(x)
+
+    fused = SimpleNamespace(fn=lambda inputs, attrs: inputs[0], label="torch.op")
+    torch_call = backend._RegionCall(shim._TorchCall(fused, None, [0], (None,), {}), [x], lambda t: t, x)
+    torch_call(x)
+    assert torch_call.fast is None and torch_call.fast_reason.startswith("a torch op")
