@@ -123,7 +123,8 @@ def table(paths: list[Path]) -> str:
         env = {**d.get("env", {}), **{k: d[k] for k in ("gpu", "driver", "torch", "triton") if k in d}}
         copy = d["peaks"]["copy_tbps"]
         lines.append(f"`{path.name}`: {env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
-                     f"triton {env['triton']}, {d['date']}, commit {d.get('commit', '?')}; `{d['command']}`; p50 µs of CUDA-graph replays, "
+                     f"triton {env['triton']}, {d['date']}, commit {d.get('commit', '?')}; `{d['command']}`; "
+                     "p50 µs of CUDA-graph replays, "
                      f"{d['rounds']} interleaved rounds, L2 cold; copy bandwidth {copy:.2f} TB/s (same run).")
         rows_all += [(row(t, copy), t) for t in d["targets"]]
     lines += ["", "| op, shape (bf16 unless said) | " + " | ".join(SHORT.get(n, n) for n in NAMES)
