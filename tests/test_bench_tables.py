@@ -118,3 +118,10 @@ def test_table_and_readme_block_round_trip(tmp_path):
     files, block = pt.readme_block(readme)
     assert files == ["bench.json"] and block == text
     assert readme.read_text().endswith(f"{pt.PEERS_END}\n\nafter\n")
+
+
+def test_the_readme_block_is_what_the_committed_results_make():
+    """README's issue-16 table is generated: regenerating it from the files it names gives the same text."""
+    files, block = pt.readme_block(ROOT / "README.md")
+    assert files, "the README's peers block names no results file"
+    assert block == pt.table([ROOT / "bench" / "results" / f for f in files])
