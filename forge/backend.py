@@ -237,12 +237,16 @@ class Backend:
 
     def _resolve_all(self, g, regions: list, index: int) -> tuple[list, list]:
         """(the swaps, each region's report) of one graph's regions, in graph order."""
+        import torch
+
+        from forge import ops
+
         swaps, reports = [], []
         # A region fed by another region's output sees, once that one is swapped, what forge's kernel
-        # writes: a contiguous tensor (every family's alloc_output), where eager's may have been a view
-        # layout (rope on HF's transposed q keeps it transposed). It is resolved for that input, and a
-        # region recorded as a miss counts as swapped (it will be, once tuned); if it ends up eager, the
-        # guard sees the other layout and the region runs its own nodes.
+        # writes: the layout its family's alloc_output gives (kernel_stride), where eager's may differ
+        # (every family but rope writes a contiguous output). It is resolved for that input, and a region
+        # recorded as a miss counts as swapped (it will be, once tuned); if it ends up eager, the guard sees
+        # the other layout and the region runs its own nodes.
         produced: dict = {}
         for r in regions:
             report, swap = self._resolve(g, r, index, produced)
@@ -250,9 +254,20 @@ class Backend:
             if swap is not None:
                 swaps.append((r, swap))
             if swap is not None or report.reason.startswith(RECORDED):
-                for node in (r.root, *r.extra_outputs):
+                root = g.values[r.root]
+                if isinstance(root, torch.Tensor):
+                    stride = kernel_stride(ops.get(r.op).module, self._leaves(g, r, produced), r.indices, root)
+                    produced[r.root] = torch.empty_strided(root.shape, stride, dtype=root.dtype,
+                                                           device=root.device).copy_(root)
+                for node in r.extra_outputs:  # stacked in one contiguous output
                     produced[node] = g.values[node].contiguous()
         return swaps, reports
+
+    @staticmethod
+    def _leaves(g, r, produced: dict) -> list:
+        """The region's inputs as its kernel call sees them (a swapped region's output in its kernel's layout)."""
+        return [produced.get(leaf, g.values[leaf]) if not isinstance(leaf, str) else _attr(g.gm, leaf)
+                for leaf in r.leaves]
 
     def _rest(self, gm, args: tuple) -> Callable:
         if self.rest == "inductor":
@@ -273,8 +288,7 @@ class Backend:
             return RegionExplanation(index, node, r.op, "eager", f"not tunable: {r.unsupported}", r.shape, r.dtype,
                                      dict(r.attrs)), None
         op = ops.get(r.op)
-        leaves = [produced.get(leaf, g.values[leaf]) if not isinstance(leaf, str) else _attr(g.gm, leaf)
-                  for leaf in r.leaves]
+        leaves = self._leaves(g, r, produced)
         if not all(isinstance(t, torch.Tensor) for t in leaves):
             return RegionExplanation(index, node, r.op, "eager", "a region input is not a tensor", r.shape,
                                      r.dtype, dict(r.attrs)), None
@@ -304,7 +318,8 @@ class Backend:
         # A family whose one output stacks the root's value with a shared node's (add_norm: (2, ...), y then
         # h) writes it stacked whether or not anything outside the region reads h.
         stacked = bool(getattr(op.module, "KEEP_MULTI_USE", ()))
-        return report, _RegionCall(binding, leaves, fallback, out, len(r.extra_outputs), stacked)
+        stride = kernel_stride(op.module, leaves, r.indices, out) if isinstance(binding, shim._Binding) else None
+        return report, _RegionCall(binding, leaves, fallback, out, len(r.extra_outputs), stacked, stride)
 
     def _record(self, op: str, shape: tuple, dtype: str, device: str, attrs: dict) -> str:
         from forge import misses
@@ -313,6 +328,20 @@ class Backend:
         if done.startswith("not recorded"):
             return done
         return f"{done} in {self.manifest} for offline tuning (forge search --manifest {self.manifest})"
+
+
+def kernel_stride(opmod, leaves: list, indices, value) -> tuple[int, ...]:
+    """The strides a forge kernel of this family gives a region's root `value`: contiguous (what alloc_output
+    gives in every family), or, for a family declaring OUTPUT_LIKE = i (rope: the layout eager's formula has),
+    torch.empty_like's layout of its input i (computed on a meta tensor: nothing allocated)."""
+    import torch
+
+    like = getattr(opmod, "OUTPUT_LIKE", None)
+    src = leaves[indices[like]] if like is not None and indices[like] is not None else None
+    if src is None or tuple(src.shape) != tuple(value.shape):
+        return tuple(int(x) for x in torch.empty(tuple(value.shape), device="meta").stride())
+    meta = torch.empty_strided(tuple(src.shape), tuple(src.stride()), dtype=src.dtype, device="meta")
+    return tuple(torch.empty_like(meta, memory_format=torch.preserve_format).stride())
 
 
 def _attr(gm, name: str):
@@ -332,7 +361,8 @@ class _RegionCall:
     `stacked` is the same call returning one tensor (the kernel's output as it is, the fallback's values
     stacked): the form the custom op forge::region takes under rest="inductor"."""
 
-    def __init__(self, binding, leaves: list, fallback, out, extra: int = 0, stacked: bool = False):
+    def __init__(self, binding, leaves: list, fallback, out, extra: int = 0, stacked: bool = False,
+                 stride: tuple | None = None):
         h = shim._torch_hot()
         self.binding, self.fallback = binding, fallback
         self.sig = tuple(shim._tensor_sig(t) for t in leaves)
@@ -345,18 +375,18 @@ class _RegionCall:
         # reads the latter (extra == 0): the root's value is then its [0]
         self.kernel_stacked = stacked or bool(extra)
         # out_meta: the layout the custom op forge::region declares (rest="inductor": Inductor compiles the
-        # code around it for that layout and asserts it). A forge kernel writes a contiguous output (every
-        # family's alloc_output), whatever layout eager's value had (rope on HF's transposed q keeps it
-        # transposed); stacked: contiguous (1 + extra, *shape). Anything else (torch's op): eager's layout.
-        # The op brings whatever a call returns to this layout (the fallback path's eager layout gets a copy).
+        # code around it for that layout and asserts it): `stride`, what the forge kernel writes
+        # (kernel_stride), which eager's value may not have; stacked:
+        # contiguous (1 + extra, *shape); anything else (torch's op): eager's layout. The op brings whatever
+        # a call returns to this layout (the fallback path's eager layout gets a copy).
         import torch
 
-        if extra or isinstance(binding, shim._Binding):
-            shape = (1 + extra, *out.shape) if extra else tuple(out.shape)
-            stride = tuple(int(x) for x in torch.empty(shape, device="meta").stride())
-            self.out_meta = (shape, stride, out.dtype)
+        if extra:
+            shape = (1 + extra, *out.shape)
+            self.out_meta = (shape, tuple(int(x) for x in torch.empty(shape, device="meta").stride()), out.dtype)
         else:
-            self.out_meta = (tuple(out.shape), tuple(out.stride()), out.dtype)
+            self.out_meta = (tuple(out.shape), tuple(stride) if stride is not None else tuple(out.stride()),
+                             out.dtype)
         self.calls = self.fallbacks = 0
         # The C++ fast call (forge/_fastcall.cpp), as @forge.optimize has it: once the binding has its
         # compiled launch plan, one C++ call checks the leaves against the signature the call was made for

@@ -85,8 +85,12 @@ _PKG = Path(__file__).resolve().parent
 #                                            reference follows it, torch's fused op (forge/fused.py) competes
 #   STRIDED_INPUTS = (0, ...)                the inputs the op's kernels take in a strided layout (last dim
 #                                            contiguous, any outer strides: opkit.check_layout); run() must
-#                                            handle them and alloc_output() return a contiguous output.
-#                                            Absent: every input contiguous.
+#                                            handle them and alloc_output() return a contiguous output, or,
+#                                            with OUTPUT_LIKE, the layout below. Absent: every input contiguous.
+#   OUTPUT_LIKE = i                          alloc_output gives the output torch.empty_like(input i)'s layout
+#                                            (rope: the layout eager's formula gives, so attention after it
+#                                            writes in q's order); forge/backend.py lays out a swapped region's
+#                                            output for the regions after it the same way (kernel_stride)
 #   STRIDED_ANY_ORDER = True                 those inputs may be in any order of strides, the last dim too
 #                                            (matmul's x @ w.t()), not only with the last dim contiguous
 #   strided_problem(spec) -> str | None      why this spec (built without the layout) takes no strided

@@ -4,7 +4,8 @@ rotate_half(x) = cat((-x[..., D/2:], x[..., :D/2]), -1).
 Problem shape (B, H, S, D): x is (B, H, S, D), contiguous or any view with D contiguous (Hugging Face's
 q and k: (B, S, H, D) projections transposed; the "strides" attribute); cos and sin are (S, D),
 broadcast over B and H, or Hugging Face's (k, 1, S, D) tables with k = 1 or B (attribute cos_batch;
-with k = B each sequence has its own positions). The output is contiguous. Other layouts are refused
+with k = B each sequence has its own positions). The output has the layout eager's formula gives it
+(torch.empty_like(x): alloc_output says why). Other layouts are refused
 by problem() with the reason, so the shim runs them eagerly: the spec names every input's shape
 exactly, and from a trace the matcher cannot tell which layout a call will use.
 
@@ -27,10 +28,13 @@ TEMPLATES = {"tile": "rope_tile.j2", "rows": "rope_rows.j2"}
 # spec without it keeps the attributes it always had ({}): (S, D) keys did not change.
 DEFAULT_ATTRS: dict = {"cos_batch": None}
 # x may be strided with D contiguous (HF's q and k are (B, S, H, D) projections transposed); cos and sin
-# stay contiguous; the output is contiguous.
+# stay contiguous; the output takes x's layout as torch.empty_like does.
 STRIDED_INPUTS = (0,)
 # The default oracle (float64 reference) runs on chunks of rows, its memory bounded (forge/ops.py).
 ORACLE_CHUNK = "rows"
+# The output takes input 0's layout as torch.empty_like gives it (alloc_output): the backend lays out what a
+# swapped rope region hands the regions after it the same way (forge/backend.py kernel_stride).
+OUTPUT_LIKE = 0
 
 
 # Values per thread of one BLOCK x D/2 tile above which the variants would spill on Hopper: both keep
@@ -158,10 +162,23 @@ def reference(inputs, attrs):
 
 
 def alloc_output(inputs, spec: KernelSpec):
+    """The layout eager's x * cos + rotate_half(x) * sin gives (torch.empty_like's: x's own strides where x is a
+    dense permutation, e.g. Hugging Face's (B, S, H, D) projection read as (B, H, S, D); else dense strides in
+    x's dimension order). Why not contiguous: attention after rope writes its output in q's layout (torch's
+    flash and cuDNN kernels both), and `o.transpose(1, 2).reshape(B, S, -1)` is then a view; a contiguous q
+    made that reshape a copy, 20 µs of the d=4096 block's 1.33 ms on the H100 (h100-models-2026-12-06-d)."""
     import torch
 
-    x = inputs[0]  # contiguous whatever x's layout (the kernels write (B, H, S, D) row-major)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return torch.empty_like(inputs[0], memory_format=torch.preserve_format)
+
+
+def output_strides(spec: KernelSpec) -> tuple[int, ...]:
+    """alloc_output's strides for x's layout in the spec (what the templates store with)."""
+    import torch
+
+    x = spec.inputs[0]
+    meta = torch.empty_strided(x.shape, x.strides, dtype=torch.float32, device="meta")
+    return tuple(torch.empty_like(meta, memory_format=torch.preserve_format).stride())
 
 
 def run(module, inputs, out, attrs) -> None:
@@ -247,6 +264,9 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     ctx["COS_4D"] = spec.attrs.get("cos_batch") is not None  # (k, 1, S, D) tables: launch() reads S, D last
     if ctx["STRIDED"] or ctx["COS_BATCHED"]:
         ctx.update(H=x.shape[1], XSB=x.strides[0], XSH=x.strides[1], XSS=x.strides[2])
+    if ctx["STRIDED"]:  # the output in alloc_output's layout (x's own where x is a dense permutation)
+        ysb, ysh, yss, _ = output_strides(spec)
+        ctx.update(YSB=ysb, YSH=ysh, YSS=yss)
     return ctx
 
 

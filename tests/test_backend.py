@@ -17,7 +17,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 import forge  # noqa: E402
 from forge import backend as fb  # noqa: E402
-from forge import misses, shim  # noqa: E402
+from forge import misses, ops, shim  # noqa: E402
 from forge.errors import UsageError  # noqa: E402
 from forge.shim import Explanation  # noqa: E402
 from forge.tuner import manifest, stats  # noqa: E402
@@ -278,6 +278,43 @@ def test_inductor_gets_the_layout_the_region_op_declares(monkeypatch, layout):
         assert be.explain().kernels == 1, be.explain()
     finally:
         torch._dynamo.reset()
+
+
+def _attention(x, wq, cos, sin):
+    b, s, _ = x.shape
+    q = torch.nn.functional.linear(x, wq).view(b, s, 2, 8).transpose(1, 2)
+    h = q.shape[-1] // 2
+    q = q * cos + torch.cat((-q[..., h:], q[..., :h]), dim=-1) * sin
+    o = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    return o.transpose(1, 2).reshape(b, s, -1)
+
+
+def test_regions_after_rope_see_its_output_in_the_layout_its_kernel_writes(monkeypatch):
+    """rope's kernel writes the layout eager's formula gives (kernels/rope.py OUTPUT_LIKE): the (B, S, H, D)
+    order of HF's transposed q. The backend resolves the attention after it for that layout (so the
+    attention's output, in q's layout, makes the final transpose + reshape a view, not a copy)."""
+    seen: dict = {}
+    fake = _fake_resolve([])
+
+    def resolve(op, picked, indices, attrs, tensors, **kw):
+        seen[op.name] = [tuple(t.stride()) for t in picked if t is not None]
+        return fake(op, picked, indices, attrs, tensors, **kw)
+    monkeypatch.setattr(shim, "resolve", resolve)
+    be = fb.Backend(miss="eager", interpreter=True)
+    x, wq = torch.randn(1, 4, 16), torch.randn(16, 16)
+    cos, sin = torch.randn(4, 8), torch.randn(4, 8)
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(_attention, backend=be, dynamic=False)
+        f(x, wq, cos, sin)
+        torch.testing.assert_close(f(x, wq, cos, sin), _attention(x, wq, cos, sin))
+    finally:
+        torch._dynamo.reset()
+    assert {"rope", "sdpa"} <= set(seen), seen
+    assert seen["sdpa"][0] == (64, 8, 16, 1)  # (B, H, S, D) = (1, 2, 4, 8) in (B, S, H, D) order
+    assert fb.kernel_stride(ops.get("rope").module, [torch.randn(1, 4, 2, 8).transpose(1, 2)], [0],
+                            torch.empty(1, 2, 4, 8)) == (64, 8, 16, 1)
+    assert fb.kernel_stride(ops.get("softmax").module, [torch.randn(8, 4).t()], [0], torch.empty(4, 8)) == (8, 1)
 
 
 def test_bad_options_are_usage_errors():

@@ -259,13 +259,15 @@ def _rope_cases():
     cases = []
     for shape in ((2, 3, 5, 8), (1, 4, 1, 16), (2, 1, 9, 6)):
         b, h, s, d = shape
-        for strided in (False, True):
+        for strided in (False, True, "split"):
             for cos_batch in (None, 1, b):
                 if not strided and cos_batch is None:
                     continue  # the contiguous (S, D) case is tests/test_templates.py's
                 attrs = {} if cos_batch is None else {"cos_batch": cos_batch}
-                if strided:  # (B, S, H, D) read as (B, H, S, D)
+                if strided is True:  # (B, S, H, D) read as (B, H, S, D): the output keeps these strides
                     attrs["strides"] = f"{s * h * d},{d},{h * d},1;c;c"
+                elif strided == "split":  # q of a fused qkv projection (GPT-2's split): not dense, the output is
+                    attrs["strides"] = f"{s * 3 * h * d},{d},{3 * h * d},1;c;c"  # dense in x's dim order
                 spec = ops.get("rope").module.make_spec(shape, "float32", DEVICE, attrs)
                 for cand in ops.get("rope").module.test_candidates(spec):
                     cases.append(pytest.param(shape, dict(attrs), cand,
@@ -279,6 +281,27 @@ def test_rope_in_hf_layouts_matches_the_oracle(shape, attrs, cand, tmp_path):
     spec = op.module.make_spec(shape, "float32", DEVICE, attrs)
     reason = check_candidate(op.module, _load(op, spec, cand, tmp_path), spec, 5, _sync)
     assert reason is None, f"{cand.label} {shape} {attrs}: {reason}"
+
+
+@pytest.mark.parametrize("layout", ["hf", "split", "contiguous"])
+def test_rope_output_has_the_layout_eager_gives_it(layout):
+    """rope's output takes the layout eager's formula gives (torch.empty_like(x)), so attention after it writes
+    in q's (B, S, H, D) order and `o.transpose(1, 2).reshape(B, S, -1)` stays a view; every variant stores in it
+    (the values are checked against the oracle in that layout by test_rope_in_hf_layouts_matches_the_oracle)."""
+    mod = ops.get("rope").module
+    b, h, s, d = 2, 3, 5, 8
+    base = torch.randn(b, s, 3 * h * d)
+    x = {"hf": base[..., : h * d].contiguous().view(b, s, h, d).transpose(1, 2),
+         "split": base[..., : h * d].view(b, s, h, d).transpose(1, 2),
+         "contiguous": torch.randn(b, h, s, d)}[layout]
+    cos, sin = torch.randn(s, d), torch.randn(s, d)
+    eager = mod.reference((x, cos, sin), {})
+    strides = "c" if x.is_contiguous() else ",".join(map(str, x.stride()))
+    spec = mod.make_spec((b, h, s, d), "float32", DEVICE, {"strides": f"{strides};c;c"} if strides != "c" else {})
+    out = mod.alloc_output((x, cos, sin), spec)
+    assert out.stride() == eager.stride() == mod.output_strides(spec)
+    if layout != "contiguous":
+        assert out.stride() != torch.empty(x.shape).stride()  # not contiguous: (B, S, H, D) order
 
 
 def test_per_sequence_tables_leave_the_tile_variant_out():
