@@ -394,7 +394,8 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
             c["region_report"] = [str(r) for r in rep.regions][:60]
             c["unmatched"] = [f"graph {g} {node}: {call}: {why}" for g, node, call, why in rep.unmatched][:80]
             c["kernel_calls"] = [{"op": k.__name__, "launch": k.binding.launch,
-                                  "fast": "C++" if k.fast is not None else k.fast_reason,
+                                  "fast": ("C++ check" if k.fast_eager else "C++") if k.fast is not None
+                                  else k.fast_reason,
                                   "calls": k.calls, "fallbacks": k.fallbacks} for k in backends[mode].kernel_calls]
             c["cudagraphs"] = [f"graph {g}: {what}" for g, what in rep.cudagraphs]
         row["contestants"][mode] = c

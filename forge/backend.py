@@ -392,11 +392,12 @@ class _RegionCall:
         # compiled launch plan, one C++ call checks the leaves against the signature the call was made for
         # (sizes, strides, dtype, device, no grad, alignment, grad mode, autocast off), allocates and
         # launches; any other call takes the Python path below. None: not made (yet); fast_reason: why never.
+        # A torch op's region (a "torch" decision) gets the C++ check alone (forge/_fastcall.cpp EagerCall: the
+        # signature, grad mode and autocast checked in C++, then the op's call; it returns a 1-tuple).
         self.fast = None
+        self.fast_eager = isinstance(binding, shim._TorchCall)
         self.fast_reason: str | None = None
-        if isinstance(binding, shim._TorchCall):
-            self.fast_reason = "a torch op (no forge kernel to launch)"
-        elif getattr(binding, "getters", ()):
+        if getattr(binding, "getters", ()):
             self.fast_reason = "the binding fetches module parameters itself"
         self.__name__ = f"forge_{getattr(getattr(binding, 'spec', None), 'op', 'kernel')}"  # fx names nodes so
 
@@ -407,26 +408,33 @@ class _RegionCall:
             out = fast(*leaves)  # None unless the leaves are exactly the signature it was made for
             if out is not None:
                 self.calls += 1
-                return out, True
+                return (out[0] if self.fast_eager else out), True
         h = shim._hot
         self.calls += 1
         if (h["autocast"]() == self.autocast and not (self.needs_no_grad and h["grad"]())
                 and tuple(shim._tensor_sig(t) for t in leaves) == self.sig):
             out = self.binding(list(leaves))
-            if fast is None and self.fast_reason is None and getattr(self.binding, "plan", None) is not None:
+            if fast is None and self.fast_reason is None and (
+                    self.fast_eager or getattr(self.binding, "plan", None) is not None):
                 self._offer_fast(leaves, out)
             return out, True
         self.fallbacks += 1
         return self.fallback(*leaves), False
 
     def _offer_fast(self, leaves: tuple, out) -> None:
-        """After a call through the binding's compiled plan: make the C++ fast call for these leaves (None
-        while the extension builds: the next call asks again)."""
+        """After a call through the binding's compiled plan (a kernel) or through torch's op: make the C++ fast
+        call for these leaves (None while the extension builds: the next call asks again)."""
         from forge import fastcall
 
-        sources = [i if i is not None else d for i, d in self.binding.slots]
+        grad = shim._hot["grad"]()
         try:
-            self.fast = fastcall.make(self.binding.plan, tuple(leaves), sources, out, shim._hot["grad"]())
+            if self.fast_eager:
+                binding = self.binding
+                self.fast = fastcall.make_eager(lambda *ls: binding(list(ls)), tuple(leaves), grad,
+                                                shim._hot["autocast"]())
+            else:
+                sources = [i if i is not None else d for i, d in self.binding.slots]
+                self.fast = fastcall.make(self.binding.plan, tuple(leaves), sources, out, grad)
         except fastcall.Unsupported as exc:
             self.fast_reason = str(exc)
 

@@ -390,7 +390,8 @@ def test_shim_serves_an_eager_signature_through_the_eager_call_once_per_call(mon
 def test_backend_region_calls_take_the_fast_call_once_the_plan_exists(monkeypatch):
     """forge/backend.py _RegionCall: the first plan-path call makes the fast call (sources from the
     binding's slots, held tensors included; the grad mode of that call); later calls go through it; a call
-    it refuses (None) takes the guarded Python path; a torch op never asks; a refusal is not asked again."""
+    it refuses (None) takes the guarded Python path; a refusal is not asked again; a torch op's region gets the
+    C++ signature check (EagerCall) in front of its call."""
     from forge import backend, shim
 
     made = []
@@ -444,7 +445,25 @@ def test_backend_region_calls_take_the_fast_call_once_the_plan_exists(monkeypatc
     monkeypatch.setattr(fastcall, "make", lambda *a: pytest.fail("asked again"))
     other(x)
 
-    fused = SimpleNamespace(fn=lambda inputs, attrs: inputs[0], label="torch.op")
-    torch_call = backend._RegionCall(shim._TorchCall(fused, None, [0], (None,), {}), [x], lambda t: t, x)
-    torch_call(x)
-    assert torch_call.fast is None and torch_call.fast_reason.startswith("a torch op")
+    # a torch op's region: the C++ check alone (EagerCall, a 1-tuple of the op's result), made after its first
+    # call with that call's grad mode and autocast state
+    eager_made = []
+
+    def fake_make_eager(fn, args, grad, autocast):
+        assert grad is torch.is_grad_enabled() and autocast is False and len(args) == 1
+        eager_made.append(fn)
+        return lambda *leaves: (fn(*leaves),) if tuple(leaves[0].shape) == (2, 8) else None
+    monkeypatch.setattr(fastcall, "make_eager", fake_make_eager)
+    fused = SimpleNamespace(fn=lambda inputs, attrs: inputs[0] * 3, label="torch.op")
+    torch_call = backend._RegionCall(shim._TorchCall(fused, None, [0], (None,), {}), [x], lambda t: t + 100, x * 3)
+    assert torch.equal(torch_call(x), x * 3) and len(eager_made) == 1 and torch_call.fast_eager
+    assert torch.equal(torch_call(x), x * 3) and len(eager_made) == 1  # through the check: unwrapped
+    assert torch.equal(torch_call(y), y + 100)  # another signature: refused there, the guard falls back
+    assert torch_call.calls == 3 and torch_call.fallbacks == 1
+
+    def cpu_only(*a):
+        raise fastcall.Unsupported("not every tensor argument is on CUDA")
+    monkeypatch.setattr(fastcall, "make_eager", cpu_only)
+    cpu_call = backend._RegionCall(shim._TorchCall(fused, None, [0], (None,), {}), [x], lambda t: t, x * 3)
+    cpu_call(x)
+    assert cpu_call.fast is None and cpu_call.fast_reason == "not every tensor argument is on CUDA"
