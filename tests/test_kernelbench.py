@@ -202,3 +202,46 @@ def test_fast_p_counts_correct_and_strictly_faster_over_all_problems():
                                         "fast_2.0": 0.2}
     assert kernelbench.fast_p([]) == {"fast_0": 0.0, "fast_1.0": 0.0, "fast_1.25": 0.0, "fast_1.5": 0.0,
                                       "fast_2.0": 0.0}
+
+
+SWIGLU = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 24, bias=False)
+        self.up = nn.Linear(16, 24, bias=False)
+
+    def forward(self, x):
+        return F.silu(self.gate(x)) * self.up(x)
+
+
+def get_inputs():
+    return [torch.randn(5, 16)]
+'''
+
+
+@pytest.mark.slow
+def test_a_region_decided_eager_is_traced_again_and_its_parts_tuned(tmp_path, monkeypatch):
+    """--tune in rounds: the SwiGLU region's search decides eager (no kernel wins here), the next trace splits
+    it as the backend does, and its parts (the two projections, silu(g) * u) are tuned in the next round and
+    swapped in at verification."""
+    from forge.tuner import engine
+
+    real = engine.search
+
+    def search(op_name, *args, **kwargs):  # swiglu finds no winner; every other op's kernel wins
+        monkeypatch.setattr(stats, "accepts", lambda *a, **k: op_name != "swiglu")
+        return real(op_name, *args, **kwargs)
+    monkeypatch.setattr(engine, "search", search)
+    d = tmp_path / "mlp"
+    d.mkdir()
+    (d / "1_swiglu.py").write_text(textwrap.dedent(SWIGLU))
+    (row,) = _run(d, "--tune", "--budget", "1", "--workers", "1")["problems"]
+    jobs = [(j["op"], j["decision"]) for j in row["jobs"]]
+    assert jobs[0] == ("swiglu", "eager") and sorted(jobs[1:]) == [("linear", "kernel"), ("silu_mul", "kernel")], jobs
+    assert row["correct"] and row["swapped"] == 3, row

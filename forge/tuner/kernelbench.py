@@ -9,7 +9,8 @@ problem, in file-name order:
   3. with `tune`, tune its tunable regions (manifest.parse of tracetools.manifest_entries, then
      batch.run: largest share first, one worker pool for the whole directory, and one wall-clock
      `time_budget` for all the problems' tuning together: once it is spent no search starts, and the
-     jobs not started are reported "skipped");
+     jobs not started are reported "skipped"); a region the search decided eager is traced again split
+     into its parts (as the forge backend splits it), which are tuned in the next round (TUNE_ROUNDS);
   4. verify it (tracetools.verify: the captured graphs with the cached kernels swapped in, compared with
      eager end to end and timed against it).
 
@@ -32,6 +33,9 @@ from forge.errors import ForgeError, UsageError
 from forge.tuner import batch, engine, manifest, tracetools
 
 P_VALUES = (1.0, 1.25, 1.5, 2.0)
+# Tuning rounds per problem: a region decided eager is split and its parts tuned in the next round (as
+# bench/models.py's tune phase does; a split region splits at most once per cut level, so few are needed).
+TUNE_ROUNDS = 3
 
 
 @dataclass
@@ -126,11 +130,23 @@ def run(directory: str | Path, *, device: str | None, cache, dtype: str | None =
             row = Problem(name=path.name, path=str(path))
             t0 = time.monotonic()
             result = _guarded(row, _trace, path, row, dev, dtype, cache, backend, profile)
-            if result is not None and tune:  # not guarded: batch.run records each job's failure; others are bugs
+            for _ in range(TUNE_ROUNDS if tune else 0):
+                if result is None:
+                    break
+                # not guarded: batch.run records each job's failure; others are bugs
                 t_tune = time.monotonic()
-                row.jobs = _tune(result, path, cache, dev, workers, settings, env, deadline, pools, on_job)
+                todo = [r for r in result.regions if r.decision is None]
+                row.jobs += _tune(result, todo, path, cache, dev, workers, settings, env, deadline, pools, on_job)
                 tuning += time.monotonic() - t_tune
                 tracetools.annotate_with_cache(result, cache, backend)
+                # A region the search decided eager is split by the next trace, as the backend splits it (its
+                # parts: a SwiGLU MLP's gate and up projections and silu(g) * u): traced again, its parts are
+                # tuned in the next round, until a trace finds nothing untuned.
+                if not any(r.decision == "eager" and len(r.nodes) > 1 for r in todo):
+                    break
+                result = _guarded(row, _trace, path, row, dev, dtype, cache, backend, profile)
+                if result is not None and not any(r.decision is None and _tunable(r) for r in result.regions):
+                    break
             if result is not None:
                 _guarded(row, _verify, result, row, cache, backend)
             del result  # its graphs hold every value of the problem's run
@@ -180,11 +196,15 @@ def _verify(result: tracetools.TraceResult, row: Problem, cache, backend: str) -
                      f"> tolerance {ver.get('tolerance'):g}")
 
 
-def _tune(result: tracetools.TraceResult, path: Path, cache, dev: str, workers, settings: dict, env,
-          deadline: float | None, pools: engine.Pools, on_job) -> list[dict[str, Any]]:
-    """Tune one problem's tunable regions (its shares, if profiled, order the jobs); [JobResult dict]."""
+def _tunable(r) -> bool:
+    return not r.unsupported and r.shape is not None
+
+
+def _tune(result: tracetools.TraceResult, regions: list, path: Path, cache, dev: str, workers, settings: dict,
+          env, deadline: float | None, pools: engine.Pools, on_job) -> list[dict[str, Any]]:
+    """Tune `regions` of one problem (its shares, if profiled, order the jobs); [JobResult dict]."""
     total = (result.profile or {}).get("total_us")
-    entries = tracetools.manifest_entries(result.regions, total)
+    entries = tracetools.manifest_entries(regions, total)
     if not entries:
         return []
     cli = {k: settings[k] for k in ("budget", "strategy", "seed", "timeout") if k in settings}
