@@ -242,9 +242,9 @@ class Backend:
         from forge import ops
 
         swaps, reports = [], []
-        # A region fed by another region's output sees, once that one is swapped, what forge's kernel
-        # writes: the layout its family's alloc_output gives (kernel_stride), where eager's may differ
-        # (every family but rope writes a contiguous output). It is resolved for that input, and a region
+        # A region fed by another region's output sees, once that one is swapped, what its call returns: a
+        # forge kernel's output in the layout its family's alloc_output gives (kernel_stride: contiguous in
+        # every family but rope), torch's op's in eager's layout. It is resolved for that input, and a region
         # recorded as a miss counts as swapped (it will be, once tuned); if it ends up eager, the guard sees
         # the other layout and the region runs its own nodes.
         produced: dict = {}
@@ -256,7 +256,10 @@ class Backend:
             if swap is not None or report.reason.startswith(RECORDED):
                 root = g.values[r.root]
                 if isinstance(root, torch.Tensor):
-                    stride = kernel_stride(ops.get(r.op).module, self._leaves(g, r, produced), r.indices, root)
+                    if swap is not None and not swap.extra:  # what its call returns (out_meta says which)
+                        stride = swap.out_meta[1]
+                    else:  # a recorded miss: its kernel's, once tuned; a stacked output's parts: contiguous
+                        stride = kernel_stride(ops.get(r.op).module, self._leaves(g, r, produced), r.indices, root)
                     produced[r.root] = torch.empty_strided(root.shape, stride, dtype=root.dtype,
                                                            device=root.device).copy_(root)
                 for node in r.extra_outputs:  # stacked in one contiguous output
