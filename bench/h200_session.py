@@ -13,7 +13,8 @@ next one still runs):
   layouts   issue 14's rows: `forge search --manifest bench/layouts.toml --json` -> DIR/layouts.json, then
             `forge bench --manifest bench/layouts.toml --max-autotune --json` on that cache -> DIR/layouts-bench.json
             (--layouts-cache DB continues an earlier call's search; --layouts-bench-args replaces --max-autotune;
-            --layouts-manifest bench/gemm.toml runs that manifest instead: DIR/gemm.json, DIR/gemm-bench.json)
+            --layouts-manifest bench/gemm.toml runs that manifest instead: DIR/gemm.json, DIR/gemm-bench.json;
+            bench/peers.toml and bench/peers_gemm.toml are issue 16's rows, tabled by bench/peers_table.py)
 --tests-marker "" runs what --tests names without `-m gpu` (the op tests then run their kernels on CUDA).
 Forge caches live in a temporary directory, never under DIR (the device tool brings back few files).
 The last thing printed is one table of every part.
