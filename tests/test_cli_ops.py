@@ -50,9 +50,12 @@ def test_no_suggestion_for_something_else():
     assert "did you mean" not in str(exc.value)
 
 
-def test_shell_completion_script_and_op_names():
+def test_shell_completion_script_and_op_names(monkeypatch):
     from forge_cli.options import complete_op
 
+    # The shell named, not detected: typer detects it from the process's ancestors, and a test run whose
+    # parent shell has exited (an orphaned background run) has none ("Shell  not supported", exit 1).
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
     res = runner.invoke(cli.app, ["--show-completion", "bash"], prog_name="forge")
     assert res.exit_code == 0 and "_FORGE_COMPLETE" in res.output and "complete" in res.output
     assert complete_op("rms") == ["rmsnorm"]
