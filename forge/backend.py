@@ -338,14 +338,14 @@ def kernel_stride(opmod, leaves: list, indices, value) -> tuple[int, ...]:
     """The strides a forge kernel of this family gives a region's root `value`: contiguous (what alloc_output
     gives in every family), or, for a family declaring OUTPUT_LIKE = i (rope: the layout eager's formula has),
     torch.empty_like's layout of its input i (computed on a meta tensor: nothing allocated)."""
-    import torch
+    from forge import opkit
+    from forge.spec import contiguous_strides
 
     like = getattr(opmod, "OUTPUT_LIKE", None)
     src = leaves[indices[like]] if like is not None and indices[like] is not None else None
     if src is None or tuple(src.shape) != tuple(value.shape):
-        return tuple(int(x) for x in torch.empty(tuple(value.shape), device="meta").stride())
-    meta = torch.empty_strided(tuple(src.shape), tuple(src.stride()), dtype=src.dtype, device="meta")
-    return tuple(torch.empty_like(meta, memory_format=torch.preserve_format).stride())
+        return contiguous_strides(tuple(value.shape))
+    return opkit.empty_like_strides(tuple(src.shape), tuple(src.stride()))
 
 
 def _attr(gm, name: str):
@@ -383,11 +383,11 @@ class _RegionCall:
         # (kernel_stride), which eager's value may not have; stacked:
         # contiguous (1 + extra, *shape); anything else (torch's op): eager's layout. The op brings whatever
         # a call returns to this layout (the fallback path's eager layout gets a copy).
-        import torch
+        from forge.spec import contiguous_strides
 
         if extra:
             shape = (1 + extra, *out.shape)
-            self.out_meta = (shape, tuple(int(x) for x in torch.empty(shape, device="meta").stride()), out.dtype)
+            self.out_meta = (shape, contiguous_strides(shape), out.dtype)
         else:
             self.out_meta = (tuple(out.shape), tuple(stride) if stride is not None else tuple(out.stride()),
                              out.dtype)

@@ -204,6 +204,15 @@ def check_layout(shape: tuple[int, ...], strides: tuple[int, ...], what: str, an
         span = st * n
 
 
+def empty_like_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch.empty_like gives a tensor of this layout (preserve_format: the same strides where it
+    is a dense permutation, else dense strides in its dimension order), on a meta tensor: nothing allocated."""
+    import torch
+
+    meta = torch.empty_strided(tuple(shape), tuple(strides), device="meta")
+    return tuple(torch.empty_like(meta, memory_format=torch.preserve_format).stride())
+
+
 def restride(t, strides: tuple[int, ...]):
     """t's values in a tensor with these strides, in a fresh allocation whose gaps hold NaN (floats) or -1:
     a kernel that reads a gap poisons its output, and validation sees it."""
