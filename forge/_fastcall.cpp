@@ -178,8 +178,9 @@ class Guard {
 // A bound kernel's signature: the output tensor of its recorded launches, or None (a miss).
 class FastCall {
  public:
-  // args: per positional argument, ("tensor", (sizes, strides, dtype)) or ("value", obj); a kernel's
-  //   tensors never require grad, are 16-byte aligned and on `device` (what the shim binds kernels for)
+  // args: per positional argument, ("tensor", (sizes, strides, dtype[, requires_grad])) or ("value", obj);
+  //   a kernel's tensors are 16-byte aligned and on `device` (what the shim binds kernels for) and require
+  //   grad only where that is given (parameters read under no_grad: `grad` is false then)
   // sources: per kernel input, an int (index of a positional argument) or a tensor held here
   // out: (sizes, strides, dtype); launches: [(fn, gx, gy, gz, block, shared, [(kind, slot, i, d), ...])]
   // device: the CUDA device index, or -1 for CPU tensors (tests only: nothing is launched)
@@ -323,8 +324,12 @@ class FastCall {
       auto t = a.cast<py::tuple>();
       if (t[0].cast<std::string>() == "tensor") {
         auto f = t[1].cast<py::tuple>();
-        if (f.size() != 3) throw std::invalid_argument("a kernel's tensor spec is (sizes, strides, dtype)");
-        out.append(py::make_tuple("tensor", py::make_tuple(f[0], f[1], f[2], false, true, device >= 0,
+        if (f.size() != 3 && f.size() != 4)
+          throw std::invalid_argument("a kernel's tensor spec is (sizes, strides, dtype[, requires_grad])");
+        // requires_grad: a module's parameters do (the backend's regions read them, under no_grad: the
+        // guard's grad mode is off then); the kernel only reads their values
+        py::object rg = f.size() == 4 ? py::object(f[3]) : py::object(py::bool_(false));
+        out.append(py::make_tuple("tensor", py::make_tuple(f[0], f[1], f[2], rg, true, device >= 0,
                                                             device >= 0 ? device : -1)));
       } else {
         out.append(t);

@@ -144,6 +144,7 @@ class Backend:
         self.regions: list[RegionExplanation] = []
         self.kernel_calls: list[_RegionCall] = []  # every swapped region's guarded call (calls, fallbacks)
         self.unmatched: list[tuple[int, str, str, str]] = []
+        self.simplified: list[tuple[int, int, int]] = []  # (graph index, values folded, dropouts removed): fold.py
         self.graphs = 0
         # shim.resolve's miss policy; @forge.optimize sets its own (its wording: "would search", "off")
         self.resolve_miss = {"eager": "skip", "record": "record"}.get(self.miss)
@@ -185,6 +186,7 @@ class Backend:
     def _plan(self, gm, args: tuple, index: int) -> tuple[Callable, Any]:
         """(the callable that runs this graph from now on, the output of this first call)."""
         import torch
+        import torch.fx as fx
 
         from forge.regions import find_regions
         from forge.trace import TraceGraph
@@ -224,6 +226,14 @@ class Backend:
         if self.profile_regions:  # after resolving: what a region reads is unchanged by the ranges
             swaps = _profiled(g, regions, reports, swaps, eager_too=self.rest == "eager")
         run_gm = _swapped(gm, swaps, inductor=self.rest == "inductor") if swaps else gm
+        if self.rest == "eager":  # the host's share of each call outside the regions (Inductor folds its own)
+            from forge import fold
+
+            if run_gm is gm:
+                run_gm = fx.GraphModule(gm, gm.graph.__deepcopy__())
+            done = fold.simplify(run_gm, {n.name: v for n, v in g.values.items()})
+            with self._lock:
+                self.simplified.append((index, *done))
         run = self._rest(run_gm, args)
         if self.cudagraphs and device == "cuda":
             from forge.cudagraph import GraphedRun, mutated_inputs

@@ -189,7 +189,8 @@ def _ready_module(args: tuple):
 
 def _arg_specs(args: tuple, full: bool) -> list[tuple]:
     """Per positional argument, ("tensor", layout) or ("value", v). A kernel's layout is (sizes, strides,
-    dtype), the rest being fixed by what the shim binds kernels for; `full` adds requires_grad, 16-byte
+    dtype, requires_grad), the rest being fixed by what the shim binds kernels for (requires_grad: a
+    module's parameters, which the backend's regions read under no_grad, do); `full` adds 16-byte
     alignment, is_cuda and device index, as the Python key has them (forge/shim.py _tensor_sig)."""
     import torch
 
@@ -201,7 +202,7 @@ def _arg_specs(args: tuple, full: bool) -> list[tuple]:
             specs.append(("tensor", (tuple(a.shape), tuple(a.stride()), a.dtype, a.requires_grad,
                                      a.data_ptr() % 16 == 0, a.is_cuda, a.get_device())))
         else:
-            specs.append(("tensor", (tuple(a.shape), tuple(a.stride()), a.dtype)))
+            specs.append(("tensor", (tuple(a.shape), tuple(a.stride()), a.dtype, a.requires_grad)))
     return specs
 
 
@@ -217,6 +218,8 @@ def make(plan, args: tuple, sources: list, out, grad: bool):
     reason = policy()
     if reason is not None:
         raise Unsupported(reason)
+    if grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        raise Unsupported("an argument requires grad with grad mode on (a kernel records no autograd graph)")
     mod = _ready_module(args)
     if mod is None:
         return None

@@ -74,6 +74,29 @@ def test_anything_but_the_bound_signature_returns_none(ext, change):
         assert f(torch.randn(4, 8), 1e-6) is not None  # and the bound one still passes
 
 
+def test_a_parameter_read_under_no_grad_is_part_of_the_bound_signature(ext):
+    """The backend's regions read a module's parameters (requires_grad=True) under no_grad: the fast call made
+    from such a call matches the same call again (before, its spec said requires_grad=False and every call
+    missed: GPT-2's add_norm and layer_norm regions took the Python path on each call, 2026-12-06)."""
+    x, w = torch.randn(4, 8), torch.nn.Parameter(torch.randn(8))
+    specs = fastcall._arg_specs((x, w), full=False)
+    assert specs[1][1][3] is True and specs[0][1][3] is False
+    f = _fast(ext, specs, [0, 1], ((4, 8), (8, 1), torch.float32))
+    with torch.no_grad():
+        assert f(x, w) is not None and f(torch.randn(4, 8), w) is not None
+        assert f(x, w.detach()) is None  # another signature: a tensor that does not require grad
+        assert f(w.detach().expand(4, 8).contiguous().requires_grad_(), w) is None  # nor the other way round
+    assert f(x, w) is None  # grad mode on: the signature was bound under no_grad
+
+
+def test_make_refuses_an_argument_requiring_grad_with_grad_mode_on(monkeypatch):
+    monkeypatch.setenv("FORGE_FASTCALL", "1")
+    monkeypatch.setattr(fastcall, "_ready_module", lambda args: pytest.fail("the refusal comes first"))
+    w = torch.nn.Parameter(torch.randn(8))
+    with pytest.raises(fastcall.Unsupported, match="requires grad with grad mode on"):
+        fastcall.make(SimpleNamespace(launches=[]), (w,), [0], torch.empty(8), grad=True)
+
+
 def test_autocast_on_is_a_miss(ext):
     f = _fast(ext, [_t((4, 8), (8, 1))], [0], ((4, 8), (8, 1), torch.float32))
     x = torch.randn(4, 8)
