@@ -85,10 +85,16 @@ def row_candidates(variant: str, shape: tuple[int, ...]) -> list[Candidate]:
     return [Candidate.make("multirow", ROWS=multirow_rows(m), num_warps=4)]
 
 
+# Shapes some ops need besides SHAPES: rmsnorm's persistent variant exists only where programs loop over row
+# blocks (more blocks than PROGRAMS_PER_SM x the interpreter's 4 SMs): 67 rows (a partial last block of 4 rows)
+# of 100 columns (a partial column block).
+EXTRA_SHAPES = {"rmsnorm": [(67, 100)]}
+
+
 def shapes_for(op_name: str) -> list[tuple[int, ...]]:
     """Row ops run on SHAPES; an op whose problem shape means something else (matmul's MxNxK,
     attention's BxHxSxD) lists its own masking shapes as TEST_SHAPES in its kernels/<op>.py."""
-    return list(getattr(ops.get(op_name).module, "TEST_SHAPES", SHAPES))
+    return [*getattr(ops.get(op_name).module, "TEST_SHAPES", SHAPES), *EXTRA_SHAPES.get(op_name, [])]
 
 
 def candidates_for(op_name: str, shape: tuple[int, ...]) -> list[Candidate]:
