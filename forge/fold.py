@@ -8,7 +8,9 @@ through the backend: 2.5 ms of host dispatch per call against Inductor's 1.4 ms 
 - **Constant folding.** A node computed from literals alone through deterministic ops (the causal mask HF
   builds from aranges on every call: arange, add, view, le, expand) has the same value on every call of
   the graph (Dynamo specialises the graph to its shapes; nothing of the inputs reaches it): its value,
-  recorded on the planning call, is held as a buffer and read instead. Never a value that a later node,
+  recorded on the planning call, is held as a buffer and read instead (a tensor made from nothing must name
+  its device, and its dtype unless it is an arange of integers: torch's defaults may change between calls).
+  Never a value that a later node,
   directly or through a view, changes in place or that the graph returns (the caller may write into it),
   nor one holding more than FOLD_BYTES.
 - **Inference dropout.** `F.dropout(x, p, training=False)` returns x itself: its uses read x.
@@ -58,13 +60,34 @@ def _inputs(node) -> list:
     return found
 
 
+_CREATION = ("arange", "ones", "zeros", "full", "eye")
+
+
+def _settled(node, creation: frozenset) -> bool:
+    """A tensor-creation call whose dtype and device do not depend on torch's defaults at call time
+    (torch.set_default_dtype / set_default_device between calls): an explicit device, and an explicit dtype
+    unless it is an arange of integers (int64 whatever the default)."""
+    if node.target not in creation:
+        return True
+    if node.kwargs.get("device") is None:
+        return False
+    if node.kwargs.get("dtype") is not None:
+        return True
+    import torch
+
+    return node.target is torch.arange and all(type(a) is int for a in node.args)
+
+
 def constant_nodes(graph) -> set:
     """The call nodes of `graph` computed from literals alone through the deterministic ops above."""
+    import torch
+
     functions = _foldable_functions()
+    creation = frozenset(getattr(torch, name) for name in _CREATION)
     const: set = set()
     for n in graph.nodes:
         if n.op == "call_function":
-            ok = n.target in functions
+            ok = n.target in functions and _settled(n, creation)
         elif n.op == "call_method":
             ok = n.target in _METHODS
         else:

@@ -25,10 +25,10 @@ def _compiled(fn):
 
 def _masked(x):
     # HF's causal mask, built from aranges on every call, and an inference dropout
-    i = torch.arange(x.shape[-1])
+    i = torch.arange(x.shape[-1], device="cpu")
     mask = (i.view(1, -1) <= i.view(-1, 1)).unsqueeze(0).expand(x.shape[0], -1, -1)
     y = F.dropout(x, 0.1, False, False)
-    return torch.where(mask, y, torch.zeros((), dtype=x.dtype)) * 2.0
+    return torch.where(mask, y, torch.zeros((), dtype=x.dtype, device="cpu")) * 2.0
 
 
 def test_a_literal_only_mask_is_computed_once_and_dropout_is_gone():
@@ -46,6 +46,18 @@ def test_a_literal_only_mask_is_computed_once_and_dropout_is_gone():
     torch.testing.assert_close(got, _masked(x2))
 
 
+def test_a_tensor_made_on_torch_defaults_is_recomputed():
+    """torch.ones(3) takes torch's default dtype and device at call time: not folded. An arange of integers
+    with a device is int64 whatever the default dtype: folded."""
+    def fn(x):
+        return x + torch.ones(x.shape[-1]) + torch.arange(x.shape[-1], device="cpu")
+
+    f, be = _compiled(fn)
+    x = torch.randn(2, 5)
+    torch.testing.assert_close(f(x), fn(x))
+    assert be.simplified == [(0, 1, 0)]  # the arange only
+
+
 def test_training_dropout_stays():
     def fn(x):
         return F.dropout(x, 0.5, True, False) + 1
@@ -58,20 +70,20 @@ def test_training_dropout_stays():
 
 
 def _in_place(x):
-    acc = torch.zeros(x.shape[-1])
+    acc = torch.zeros(x.shape[-1], dtype=torch.float32, device="cpu")
     acc.add_(x.sum(0))  # a literal-only value written in place: folding it would accumulate across calls
     return acc * 1.0
 
 
 def _through_view(x):
-    acc = torch.zeros(4)
+    acc = torch.zeros(4, dtype=torch.float32, device="cpu")
     v = acc.view(2, 2)
     v.mul_(x.sum())
     return acc + 0.0
 
 
 def _returned(x):
-    return x + 1, torch.arange(4)
+    return x + 1, torch.arange(4, device="cpu")
 
 
 def _random(x):
