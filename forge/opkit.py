@@ -241,6 +241,7 @@ def generator(seed: int, device: str = "cpu"):
 #   row      - one row per program, the whole row in registers (BLOCK_N = next_pow2(N))
 #   looped   - one row per program, loops over column blocks (long rows that would spill)
 #   multirow - ROWS rows per program, whole rows in registers (short rows, many of them)
+# (and, for the families that add it, persistent: with_persistent_rows below)
 
 ROW_VARIANTS = ("row", "looped", "multirow")
 # fp32 values per thread above which the whole-row variants spill registers on Hopper
@@ -344,6 +345,40 @@ def capped_row_space(spec, max_elems_per_thread: int) -> Space:
     return Space(base.variants, valid)
 
 
+# Helion-style knobs for the row ops (issue 16; Helion's rmsnorm winner at 8192^2 used 2 rows per program,
+# eviction policy "last" and 32 warps): a "persistent" variant, at most PROGRAMS_PER_SM x SMs programs striding
+# over blocks of ROWS whole rows (block pid, pid + grid, ...), whatever the row reads besides x (a weight, a
+# bias) loaded once per program, the next block's loads pipelined (tl.range num_stages); EVICT=1 loads x with
+# eviction policy "evict_first" (streamed through L2). Knobs are numbers (forge/key.py refuses anything else
+# in params); the policy string is the template's (row_render_context's X_POLICY). Not yet measured on a GPU
+# (2026-12-06): the search measures them per shape like any point, and each stays only where it pays.
+PERSISTENT_ROWS = {"ROWS": [1, 2, 4], "num_warps": [4, 8, 16], "PROGRAMS_PER_SM": [2, 4], "num_stages": [1, 2],
+                   "EVICT": [0, 1]}
+
+
+def with_persistent_rows(spec, base: Space, max_elems_per_thread: int = MAX_ELEMS_PER_THREAD) -> Space:
+    """`base` (a row space) and the "persistent" variant, valid where its programs loop over row blocks (more
+    blocks than programs: with one block per program it is multirow with extra work) and its rows fit in
+    registers as multirow's do (`max_elems_per_thread`)."""
+    m, n = rows_cols(spec)
+    block = next_pow2(n)
+    on_gpu = spec.device == "cuda"
+    sms = hardware.GPU_SMS if on_gpu else hardware.CPU_SMS
+
+    def valid(c: Candidate) -> bool:
+        if c.variant != "persistent":
+            return base.valid(c)
+        p = c.p
+        if not on_gpu and p["num_stages"] != 1:  # pipelining does not exist in the interpreter
+            return False
+        per_thread = p["ROWS"] * block / (32 * p["num_warps"])
+        if per_thread > max_elems_per_thread or per_thread < 1 or p["ROWS"] > next_pow2(m):
+            return False
+        return -(-m // p["ROWS"]) > p["PROGRAMS_PER_SM"] * sms
+
+    return Space({**base.variants, "persistent": dict(PERSISTENT_ROWS)}, valid)
+
+
 def row_default(spec) -> Candidate:
     """An untuned but sensible choice: whole row with ~8 fp32 values per thread, else looped."""
     _, n = rows_cols(spec)
@@ -386,6 +421,9 @@ def row_render_context(spec, cand: Candidate, op: str) -> dict[str, Any]:
     # `range(0, N, BLOCK_N)` fails there. On the interpreter N is passed as a constexpr (a Python
     # int) instead; CUDA sources are unaffected (byte-identical to the ones measured on the H200).
     ctx["N_CONSTEXPR"] = spec.device != "cuda"
+    # the persistent variant's (with_persistent_rows): x's eviction policy, the interpreter's SM count
+    ctx["X_POLICY"] = "evict_first" if ctx.get("EVICT") else ""
+    ctx["CPU_SMS"] = hardware.CPU_SMS
     ctx["kernel_name"] = f"forge_{op}_{cand.variant}"
     ctx["variant"] = cand.variant
     return ctx

@@ -11,7 +11,10 @@ from forge.spec import KernelSpec, TensorSpec
 
 NAME = "layer_norm"
 SUMMARY = "F.layer_norm(x, (N,), w, b, eps)"
-TEMPLATES = {"row": "layer_norm_row.j2", "looped": "layer_norm_looped.j2", "multirow": "layer_norm_multirow.j2"}
+TEMPLATES = {"row": "layer_norm_row.j2", "looped": "layer_norm_looped.j2", "multirow": "layer_norm_multirow.j2",
+             "persistent": "layer_norm_persistent.j2"}
+# The shape tests/test_templates.py renders every point of: enough rows that persistent programs loop.
+MID_SHAPE = (4096, 1000)
 DEFAULT_ATTRS = {"eps": 1e-5}
 # x may have any outer strides with its rows contiguous: the kernels take a row stride; run() views x
 # as rows (a copy where no view exists). The weight and bias stay contiguous.
@@ -131,7 +134,9 @@ def run(module, inputs, out, attrs) -> None:
 
 
 def space(spec: KernelSpec) -> opkit.Space:
-    return opkit.capped_row_space(spec, MAX_ELEMS_PER_THREAD)
+    """The row ops' space, whole rows capped at MAX_ELEMS_PER_THREAD, with the persistent variant and its
+    knobs (opkit.with_persistent_rows, under the same cap)."""
+    return opkit.with_persistent_rows(spec, opkit.capped_row_space(spec, MAX_ELEMS_PER_THREAD), MAX_ELEMS_PER_THREAD)
 
 
 default = opkit.row_default  # <= 16 elements per thread: inside space()

@@ -7,7 +7,7 @@ non-last dim runs the "strided" variant on contiguous x viewed as (outer, R, inn
 
 from __future__ import annotations
 
-from forge import formulas, hardware, opkit
+from forge import formulas, opkit
 from forge.spec import KernelSpec, TensorSpec
 
 NAME = "rmsnorm"
@@ -116,18 +116,9 @@ def run(module, inputs, out, attrs) -> None:
     module.launch(x.reshape(-1, n), w.reshape(-1), out.view(-1, n), attrs["eps"])
 
 
-# Search-space knobs in the manner of Helion's autotuner (issue 16; its rmsnorm winner at 8192^2 used 2 rows
-# per program, eviction policy "last" and 32 warps), on top of the row ops' shared space (opkit.row_space):
-#   persistent  at most PROGRAMS_PER_SM x SMs programs striding over blocks of ROWS rows, the weight loaded
-#               once per program, the next block's loads pipelined (num_stages); EVICT=1: x loaded with
-#               eviction policy "evict_first" (streamed through L2)
-#   looped      EVICT=1: the first pass loads x with "evict_last" (the row stays in L2 for the second pass),
-#               the second with "evict_first"
-# (A knob is a number: params are plain numbers, forge/key.py; the policy strings are the templates'.)
-# Not yet measured on a GPU (2026-12-06): the search measures them per shape like every other point; each is
-# kept only where a measurement shows it pays (docs/notes.md).
-PERSISTENT = {"ROWS": [1, 2, 4], "num_warps": [4, 8, 16], "PROGRAMS_PER_SM": [2, 4], "num_stages": [1, 2],
-              "EVICT": [0, 1]}
+# The persistent variant and its knobs: opkit.with_persistent_rows. The looped variant's own knob: EVICT=1
+# loads x with "evict_last" in the first pass (the row stays in L2 for the second) and "evict_first" in the
+# second, as Inductor's looped reductions do. Not yet measured on a GPU (2026-12-06; docs/notes.md).
 LOOPED_EVICT = [0, 1]
 # The shape tests/test_templates.py renders every point of: enough rows that persistent programs loop.
 MID_SHAPE = (4096, 1000)
@@ -137,30 +128,8 @@ def space(spec: KernelSpec) -> opkit.Space:
     dim = spec.attrs.get("dim", -1)
     if dim != -1:
         return opkit.strided_space(spec, dim)
-    base = opkit.row_space(spec)
-    m, n = opkit.rows_cols(spec)
-    block = opkit.next_pow2(n)
-    on_gpu = spec.device == "cuda"
-    sms = hardware.GPU_SMS if on_gpu else hardware.CPU_SMS
-
-    def valid(c: opkit.Candidate) -> bool:
-        if c.variant != "persistent":
-            return base.valid(c)
-        p = c.p
-        if not on_gpu and p["num_stages"] != 1:  # pipelining does not exist in the interpreter
-            return False
-        per_thread = p["ROWS"] * block / (32 * p["num_warps"])
-        if per_thread > opkit.MAX_ELEMS_PER_THREAD or per_thread < 1:
-            return False
-        if p["ROWS"] > opkit.next_pow2(m):
-            return False
-        # Only where some program loops: with one block per program it is multirow with extra work.
-        return -(-m // p["ROWS"]) > p["PROGRAMS_PER_SM"] * sms
-
-    variants = dict(base.variants)
-    variants["looped"] = {**variants["looped"], "EVICT": LOOPED_EVICT}
-    variants["persistent"] = dict(PERSISTENT)
-    return opkit.Space(variants=variants, valid=valid)
+    sp = opkit.with_persistent_rows(spec, opkit.row_space(spec))
+    return opkit.Space({**sp.variants, "looped": {**sp.variants["looped"], "EVICT": LOOPED_EVICT}}, sp.valid)
 
 
 def default(spec: KernelSpec) -> opkit.Candidate:
@@ -179,8 +148,6 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     else:
         ctx = opkit.row_render_context(spec, cand, NAME)
         ctx.setdefault("EVICT", 0)  # a looped candidate from before the knob: no policy
-        ctx["X_POLICY"] = "evict_first" if ctx["EVICT"] else ""
-        ctx["CPU_SMS"] = hardware.CPU_SMS
     # form="hf": the normalised value rounded to the output dtype before the weight multiplies it (as HF's
     # half-precision LlamaRMSNorm); every other spec renders as before (tests/test_golden.py)
     return {**ctx, "round_before_weight": spec.attrs.get("form") == "hf"}

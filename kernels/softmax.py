@@ -7,7 +7,10 @@ from forge.spec import KernelSpec
 
 NAME = "softmax"
 SUMMARY = "softmax(x, dim=-1)"
-TEMPLATES = {"row": "softmax_row.j2", "looped": "softmax_looped.j2", "multirow": "softmax_multirow.j2"}
+TEMPLATES = {"row": "softmax_row.j2", "looped": "softmax_looped.j2", "multirow": "softmax_multirow.j2",
+             "persistent": "softmax_persistent.j2"}
+# The shape tests/test_templates.py renders every point of: enough rows that persistent programs loop.
+MID_SHAPE = (4096, 1000)
 DEFAULT_ATTRS = {"dim": -1}
 # x may have any outer strides with its rows contiguous: the kernels take a row stride; run() views x
 # as rows (a copy where no view exists).
@@ -44,7 +47,11 @@ def run(module, inputs, out, attrs) -> None:
     module.launch(x.reshape(-1, n), out.view(-1, n))
 
 
-space = opkit.row_space
+def space(spec: KernelSpec) -> opkit.Space:
+    """The row ops' space with the persistent variant and its knobs (opkit.with_persistent_rows)."""
+    return opkit.with_persistent_rows(spec, opkit.row_space(spec))
+
+
 default = opkit.row_default
 
 

@@ -85,10 +85,10 @@ def row_candidates(variant: str, shape: tuple[int, ...]) -> list[Candidate]:
     return [Candidate.make("multirow", ROWS=multirow_rows(m), num_warps=4)]
 
 
-# Shapes some ops need besides SHAPES: rmsnorm's persistent variant exists only where programs loop over row
-# blocks (more blocks than PROGRAMS_PER_SM x the interpreter's 4 SMs): 67 rows (a partial last block of 4 rows)
-# of 100 columns (a partial column block).
-EXTRA_SHAPES = {"rmsnorm": [(67, 100)]}
+# Shapes some ops need besides SHAPES: the persistent row variant (opkit.with_persistent_rows) exists only where
+# programs loop over row blocks (more blocks than PROGRAMS_PER_SM x the interpreter's 4 SMs): 67 rows (a partial
+# last block of 4 rows) of 100 columns (a partial column block).
+EXTRA_SHAPES = {name: [(67, 100)] for name in ("rmsnorm", "softmax", "layer_norm")}
 
 
 def shapes_for(op_name: str) -> list[tuple[int, ...]]:
