@@ -10,9 +10,9 @@ through the backend: 2.5 ms of host dispatch per call against Inductor's 1.4 ms 
   the graph (Dynamo specialises the graph to its shapes; nothing of the inputs reaches it): its value,
   recorded on the planning call, is held as a buffer and read instead (a tensor made from nothing must name
   its device, and its dtype unless it is an arange of integers: torch's defaults may change between calls).
-  Never a value that a later node,
-  directly or through a view, changes in place or that the graph returns (the caller may write into it),
-  nor one holding more than FOLD_BYTES.
+  Never a value that a later node, directly or through a view, changes in place (an in-place method,
+  `x[i] = v`, `x += y`, out=) or that the graph returns (the caller may write into it), nor one holding
+  more than FOLD_BYTES.
 - **Inference dropout.** `F.dropout(x, p, training=False)` returns x itself: its uses read x.
 """
 
@@ -43,11 +43,21 @@ def _foldable_functions():
     return frozenset(getattr(torch, name) for name in _FUNCTIONS) | frozenset(_OPERATORS)
 
 
+# Python's in-place operators and item assignment, as Dynamo records `x += y` and `x[i] = v`
+_WRITING_OPERATORS = frozenset({operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                                operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                                operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul})
+
+
 def _mutates(node) -> bool:
-    """Whether `node` may write into an argument: an in-place method or function (trailing underscore), or
-    an out=/inplace=True keyword."""
+    """Whether `node` may write into an argument: an in-place method or function (trailing underscore; and
+    __setitem__, __iadd__ ...), an in-place operator or item assignment, or an out=/inplace=True keyword."""
+    if node.op == "call_function" and node.target in _WRITING_OPERATORS:
+        return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     if name.endswith("_") and not name.endswith("__"):
+        return True
+    if name.startswith("__i") or name in ("__setitem__", "__delitem__"):  # __iadd__, __imul__, ...
         return True
     return "out" in node.kwargs or bool(node.kwargs.get("inplace", False))
 

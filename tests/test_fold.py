@@ -82,6 +82,18 @@ def _through_view(x):
     return acc + 0.0
 
 
+def _item_assigned(x):
+    m = torch.ones(4, 4, dtype=torch.float32, device="cpu")
+    m[0] = x[0]  # operator.setitem in Dynamo's graph
+    return m * 1.0
+
+
+def _augmented(x):
+    m = torch.zeros(4, dtype=torch.float32, device="cpu")
+    m += x.sum(0)  # an in-place operator
+    return m * 1.0
+
+
 def _returned(x):
     return x + 1, torch.arange(4, device="cpu")
 
@@ -90,7 +102,8 @@ def _random(x):
     return x + torch.rand(x.shape)
 
 
-@pytest.mark.parametrize("fn", [_in_place, _through_view, _returned, _random], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [_in_place, _through_view, _item_assigned, _augmented, _returned, _random],
+                         ids=lambda f: f.__name__)
 def test_values_that_must_not_be_folded_are_computed_each_call(fn):
     f, be = _compiled(fn)
     x = torch.randn(4, 4)
