@@ -38,11 +38,11 @@ def _persistent_points(spec):
 PERSISTENT_FAMILIES = ("rmsnorm", "softmax", "layer_norm")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", PERSISTENT_FAMILIES)
-def test_persistent_points_match_the_oracle(name, dtype, tmp_path):
-    """Every (ROWS, EVICT) pair and both ends of the grid (the interpreter takes ~0.7 s a kernel: every point
-    of the three families in two dtypes took 90 s)."""
+def test_persistent_points_match_the_oracle(name, tmp_path, dtype="bfloat16"):
+    """Every (ROWS, EVICT) pair and both ends of the grid, in bf16 (tests/test_templates.py runs both ends in
+    every dtype; the interpreter takes ~0.7 s a kernel: every point of the three families in two dtypes took
+    90 s)."""
     op = ops.get(name)
     spec = op.module.make_spec((67, 100), dtype, DEVICE)
     pts = list(op.module.space(spec).points("persistent"))

@@ -85,16 +85,18 @@ def row_candidates(variant: str, shape: tuple[int, ...]) -> list[Candidate]:
     return [Candidate.make("multirow", ROWS=multirow_rows(m), num_warps=4)]
 
 
-# Shapes some ops need besides SHAPES: the persistent row variant (opkit.with_persistent_rows) exists only where
-# programs loop over row blocks (more blocks than PROGRAMS_PER_SM x the interpreter's 4 SMs): 67 rows (a partial
-# last block of 4 rows) of 100 columns (a partial column block).
+# Shapes some variants need besides SHAPES, run for those variants only: the persistent row variant
+# (opkit.with_persistent_rows) exists only where programs loop over row blocks (more blocks than
+# PROGRAMS_PER_SM x the interpreter's 4 SMs): 67 rows (a partial last block of 4 rows) of 100 columns (a partial
+# column block). tests/test_row_knobs.py runs every (ROWS, EVICT) pair there.
 EXTRA_SHAPES = {name: [(67, 100)] for name in ("rmsnorm", "softmax", "layer_norm")}
+EXTRA_VARIANTS = ("persistent",)
 
 
 def shapes_for(op_name: str) -> list[tuple[int, ...]]:
     """Row ops run on SHAPES; an op whose problem shape means something else (matmul's MxNxK,
     attention's BxHxSxD) lists its own masking shapes as TEST_SHAPES in its kernels/<op>.py."""
-    return [*getattr(ops.get(op_name).module, "TEST_SHAPES", SHAPES), *EXTRA_SHAPES.get(op_name, [])]
+    return list(getattr(ops.get(op_name).module, "TEST_SHAPES", SHAPES))
 
 
 def candidates_for(op_name: str, shape: tuple[int, ...]) -> list[Candidate]:
@@ -120,8 +122,11 @@ def candidates_for(op_name: str, shape: tuple[int, ...]) -> list[Candidate]:
 def _cases():
     cases = []
     for op_name in OP_NAMES:
-        for shape in shapes_for(op_name):
-            for cand in candidates_for(op_name, shape):
+        runs = [(shape, candidates_for(op_name, shape)) for shape in shapes_for(op_name)]
+        runs += [(shape, [c for c in candidates_for(op_name, shape) if c.variant in EXTRA_VARIANTS])
+                 for shape in EXTRA_SHAPES.get(op_name, [])]
+        for shape, cands in runs:
+            for cand in cands:
                 for dtype in DTYPES:
                     sid = "x".join(map(str, shape))
                     cases.append(pytest.param(op_name, shape, dtype, cand,
