@@ -153,23 +153,31 @@ def big(out: Path, work: Path, args) -> list[str]:
 
 
 def layouts(out: Path, work: Path, args) -> list[str]:
-    """Issue 14: bench/layouts.toml (or --layouts-manifest M: its files are named after M's stem) searched
-    (its own budget), then every row benched interleaved against eager, the fused torch op, torch.compile
-    (default and max-autotune-no-cudagraphs) and Liger."""
-    name = Path(args.layouts_manifest).stem
+    """Issue 14: bench/layouts.toml (or --layouts-manifest M[,M2...]: each in turn, its files named after its
+    stem; one machine start for several manifests) searched (its own budget), then every row benched
+    interleaved against eager, the fused torch op, torch.compile (default and max-autotune-no-cudagraphs) and
+    Liger."""
+    manifests = [m for m in args.layouts_manifest.split(",") if m]
+    if args.layouts_cache and len(manifests) > 1:
+        raise SystemExit("--layouts-cache continues one manifest's search: give one --layouts-manifest")
+    return [line for m in manifests for line in _layouts_one(out, work, args, m)]
+
+
+def _layouts_one(out: Path, work: Path, args, manifest: str) -> list[str]:
+    name = Path(manifest).stem
     db = work / f"{name}.db"
     if args.layouts_cache:  # an earlier call's DIR/layouts.db: its entries are not searched again
         import shutil
 
         shutil.copyfile(args.layouts_cache, db)
-    cmd = [*FORGE, "search", "--manifest", args.layouts_manifest, "--json", "--cache", str(db)]
+    cmd = [*FORGE, "search", "--manifest", manifest, "--json", "--cache", str(db)]
     if args.layouts_time_budget:
         cmd += ["--time-budget", str(args.layouts_time_budget)]
     lines = _manifest_part(name, out, cmd, args.layouts_limit, db)
     if not args.layouts_bench_limit:  # search only: DIR/layouts.db continues it (forge bench --cache) later
         return lines
     dst = out / f"{name}-bench.json"
-    cmd = [*FORGE, "bench", "--manifest", args.layouts_manifest, *args.layouts_bench_args.split(), "--json",
+    cmd = [*FORGE, "bench", "--manifest", manifest, *args.layouts_bench_args.split(), "--json",
            "--cache", str(db)]
     with open(dst, "w") as fh:
         t0 = time.monotonic()
@@ -211,7 +219,8 @@ def main() -> int:
     ap.add_argument("--big-time-budget", type=float, default=None, help="forge search --time-budget for big")
     ap.add_argument("--big-cache", type=Path, default=None, help="a big.db from an earlier call to continue")
     ap.add_argument("--tests-k", default="", help="pytest -k for the tests part")
-    ap.add_argument("--layouts-manifest", default="bench/layouts.toml", help="the manifest the layouts part runs")
+    ap.add_argument("--layouts-manifest", default="bench/layouts.toml",
+                    help="the manifest(s) the layouts part runs, comma-separated")
     ap.add_argument("--layouts-limit", type=float, default=330)
     ap.add_argument("--layouts-time-budget", type=float, default=None, help="forge search --time-budget for layouts")
     ap.add_argument("--layouts-bench-limit", type=float, default=300, help="0: search only, no bench")
