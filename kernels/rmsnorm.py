@@ -147,7 +147,7 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
         ctx = opkit.strided_render_context(spec, cand, NAME)
     else:
         ctx = opkit.row_render_context(spec, cand, NAME)
-        ctx.setdefault("EVICT", 0)  # a looped candidate from before the knob: no policy
+        ctx.setdefault("EVICT", 0)  # a looped candidate without the knob (tests' hand-picked ones): no policy
     # form="hf": the normalised value rounded to the output dtype before the weight multiplies it (as HF's
     # half-precision LlamaRMSNorm); every other spec renders as before (tests/test_golden.py)
     return {**ctx, "round_before_weight": spec.attrs.get("form") == "hf"}
