@@ -241,7 +241,7 @@ def generator(seed: int, device: str = "cpu"):
 #   row      - one row per program, the whole row in registers (BLOCK_N = next_pow2(N))
 #   looped   - one row per program, loops over column blocks (long rows that would spill)
 #   multirow - ROWS rows per program, whole rows in registers (short rows, many of them)
-# (and, for the families that add it, persistent: with_persistent_rows below)
+# (and, for rmsnorm, persistent: with_persistent_rows below)
 
 ROW_VARIANTS = ("row", "looped", "multirow")
 # fp32 values per thread above which the whole-row variants spill registers on Hopper
@@ -347,19 +347,22 @@ def capped_row_space(spec, max_elems_per_thread: int) -> Space:
 
 # Helion-style knobs for the row ops (issue 16; Helion's rmsnorm winner at 8192^2 used 2 rows per program,
 # eviction policy "last" and 32 warps): a "persistent" variant, at most PROGRAMS_PER_SM x SMs programs striding
-# over blocks of ROWS whole rows (block pid, pid + grid, ...), whatever the row reads besides x (a weight, a
-# bias) loaded once per program, the next block's loads pipelined (tl.range num_stages); EVICT=1 loads x with
-# eviction policy "evict_first" (streamed through L2). Knobs are numbers (forge/key.py refuses anything else
-# in params); the policy string is the template's (row_render_context's X_POLICY). Not yet measured on a GPU
-# (2026-12-06): the search measures them per shape like any point, and each stays only where it pays.
-PERSISTENT_ROWS = {"ROWS": [1, 2, 4], "num_warps": [4, 8, 16], "PROGRAMS_PER_SM": [2, 4], "num_stages": [1, 2],
-                   "EVICT": [0, 1]}
+# over blocks of ROWS whole rows (block pid, pid + grid, ...), the weight loaded once per program, the next
+# block's loads pipelined (tl.range num_stages). Knobs are numbers (forge/key.py refuses anything else in params).
+# Measured on an H100 (budget-50 search, 2026-12-06, bench/results/h100-knobs-search-2026-12-06.json; screen
+# p50, best point of each variant; docs/notes.md, stop 30): only rmsnorm keeps it, and only up to max_numel
+# elements (kernels/rmsnorm.py PERSISTENT_MAX_NUMEL). softmax and layer_norm had it too and it never competed
+# there (softmax 8192x8192: row 90.77 us vs persistent 98.36; layer_norm 8192x8192: 92.41 vs 104.42). Its
+# eviction knob (EVICT=1: x loaded "evict_first") was removed: pairs differing only in EVICT timed 0.97-1.07x
+# at 2048x4096 and 0.99-1.03x elsewhere (noise).
+PERSISTENT_ROWS = {"ROWS": [1, 2, 4], "num_warps": [4, 8, 16], "PROGRAMS_PER_SM": [2, 4], "num_stages": [1, 2]}
 
 
-def with_persistent_rows(spec, base: Space, max_elems_per_thread: int = MAX_ELEMS_PER_THREAD) -> Space:
+def with_persistent_rows(spec, base: Space, *, max_numel: int) -> Space:
     """`base` (a row space) and the "persistent" variant, valid where its programs loop over row blocks (more
-    blocks than programs: with one block per program it is multirow with extra work) and its rows fit in
-    registers as multirow's do (`max_elems_per_thread`)."""
+    blocks than programs: with one block per program it is multirow with extra work), its rows fit in
+    registers as multirow's do (MAX_ELEMS_PER_THREAD), and the tensor holds at most `max_numel` elements
+    (rows x columns: where the caller measured it competitive)."""
     m, n = rows_cols(spec)
     block = next_pow2(n)
     on_gpu = spec.device == "cuda"
@@ -368,11 +371,13 @@ def with_persistent_rows(spec, base: Space, max_elems_per_thread: int = MAX_ELEM
     def valid(c: Candidate) -> bool:
         if c.variant != "persistent":
             return base.valid(c)
+        if m * n > max_numel:
+            return False
         p = c.p
         if not on_gpu and p["num_stages"] != 1:  # pipelining does not exist in the interpreter
             return False
         per_thread = p["ROWS"] * block / (32 * p["num_warps"])
-        if per_thread > max_elems_per_thread or per_thread < 1 or p["ROWS"] > next_pow2(m):
+        if per_thread > MAX_ELEMS_PER_THREAD or per_thread < 1 or p["ROWS"] > next_pow2(m):
             return False
         return -(-m // p["ROWS"]) > p["PROGRAMS_PER_SM"] * sms
 
@@ -421,8 +426,7 @@ def row_render_context(spec, cand: Candidate, op: str) -> dict[str, Any]:
     # `range(0, N, BLOCK_N)` fails there. On the interpreter N is passed as a constexpr (a Python
     # int) instead; CUDA sources are unaffected (byte-identical to the ones measured on the H200).
     ctx["N_CONSTEXPR"] = spec.device != "cuda"
-    # the persistent variant's (with_persistent_rows): x's eviction policy, the interpreter's SM count
-    ctx["X_POLICY"] = "evict_first" if ctx.get("EVICT") else ""
+    # the persistent variant's (with_persistent_rows, rmsnorm's): the interpreter's SM count
     ctx["CPU_SMS"] = hardware.CPU_SMS
     ctx["kernel_name"] = f"forge_{op}_{cand.variant}"
     ctx["variant"] = cand.variant
@@ -676,6 +680,10 @@ GEMM_CPU_GRID = {
     "persistent": {"BLOCK_M": [16, 32], "BLOCK_N": [16, 32], "BLOCK_K": [16, 32], "GROUP_M": [2],
                    "num_warps": [4], "num_stages": [1], "FLATTEN": [False]},
 }
+# matmul's "padded" (misaligned operands copied into 16-element aligned buffers, then the tiled loop:
+# kernels/matmul.py) takes tiled's points: after the copy it is the same tile loop.
+GEMM_GPU_GRID["padded"] = dict(GEMM_GPU_GRID["tiled"])
+GEMM_CPU_GRID["padded"] = dict(GEMM_CPU_GRID["tiled"])
 # fp32 accumulator values per thread: above 128 (of 255 registers) the A/B fragments and addresses
 # no longer fit and the kernel spills; below 4 a warp covers less than one MMA instruction's tile.
 GEMM_MAX_ACC_PER_THREAD = 128
@@ -725,7 +733,7 @@ def gemm_space(dims: tuple[int, int, int, int], device: str, dtype: str, variant
         tiles = bt * -(-m // bm) * -(-n // bn)
         if on_gpu and stages > 2 and stages > k_blocks:  # more stages than K steps buffer nothing
             return False
-        if c.variant == "tiled":
+        if c.variant in ("tiled", "padded"):
             # Grouping only reorders programs when there are several tile rows and columns.
             return p["GROUP_M"] == 1 or (-(-m // bm) > 1 and -(-n // bn) > 1)
         if c.variant == "persistent":

@@ -20,6 +20,12 @@ Variants:
           H100/H200. Valid only where TMA's rules hold (_tma_ok): 2-D, last strides 1, the other strides
           16-byte multiples (K and N multiples of 8 in bf16/fp16, of 4 in fp32). H200, 4096³ bf16: its
           best of 40 points 211.1 µs, tiled's best 214.5, cuBLAS 205.8 (h200-matmul-variants-2026-12-04).
+  padded  where an operand's rows are not 16-byte aligned (K or N not a multiple of 8 in bf16/fp16, of 4
+          in fp32, or a strided layout with such a stride): the launcher copies each such operand into a
+          buffer with 16-element aligned rows and a zeroed K tail, and the tile loop of `tiled` runs
+          unmasked, with vector loads, over the copies. The other variants read those rows element by
+          element: H100, 8205x2949x5921 bf16, tiled's best 3245 µs, cuBLAS (its align-1 kernels) 2003 µs,
+          torch.compile (which pads too) 466 µs (bench/results/h100-peers-gemm-search-2026-12-06.json).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from forge.spec import KernelSpec, TensorSpec
 
 NAME = "matmul"
 SUMMARY = "A @ B (mm, bmm; no broadcasting)"
-TEMPLATES = {"tiled": "matmul_tiled.j2", "splitk": "matmul_splitk.j2", "persistent": "matmul_persistent.j2"}
+TEMPLATES = {"tiled": "matmul_tiled.j2", "splitk": "matmul_splitk.j2", "persistent": "matmul_persistent.j2",
+             "padded": "matmul_padded.j2"}
 DEFAULT_ATTRS: dict = {}
 # The default oracle (float64 A @ B) runs on blocks of A's rows x B's columns, its memory bounded
 # (forge/ops.py, opkit.oracle_in_chunks).
@@ -50,6 +57,8 @@ TEST_SHAPES.append((33, 24, 40))
 # 64x64 ones (256) for the persistent variant. (It was 16x1024x1024 before the persistent variant, which
 # has no GPU points there; that shape's golden renders are kept in tests/test_golden.py.)
 MID_SHAPE = (256, 4096, 1024)
+# ... and the padded variant's points, which only misaligned rows reach (N = 4090: 8180-byte rows)
+MID_EXTRA_SHAPES = {"cuda": [(256, 4090, 1024)], "cpu": [(256, 4090, 1024)]}
 
 # The SM count (hardware.GPU_SMS) only bounds which split-K points are worth timing (space(): when the
 # tiled grid fills the GPU); the pipelined A and B tiles must fit hardware.SMEM_PER_PROGRAM. The space,
@@ -168,7 +177,22 @@ CPU_GRID = opkit.GEMM_CPU_GRID
 
 def space(spec: KernelSpec) -> opkit.Space:
     variants = ("tiled", "splitk", "persistent") if _tma_ok(spec) else ("tiled", "splitk")
+    if _misaligned(spec):
+        variants += ("padded",)
     return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype, variants=variants)
+
+
+def _misaligned(spec: KernelSpec) -> bool:
+    """Whether some operand has a row that is not 16-byte aligned: a stride (of a dim longer than 1) that
+    is not 1 and not a multiple of 16 bytes, or no unit stride at all. Such rows cannot be loaded as
+    vectors, which the padded variant's copy cures; elsewhere it would only add the copy."""
+    for t in spec.inputs:
+        real = [s for n, s in zip(t.shape, t.strides, strict=True) if n > 1]
+        if real and 1 not in real:
+            return True
+        if any(s != 1 and s * t.itemsize % opkit.TMA_ALIGN for s in real):
+            return True
+    return False
 
 
 def _tma_ok(spec: KernelSpec) -> bool:
@@ -210,7 +234,14 @@ def problem_shape(spec: KernelSpec) -> tuple[int, ...]:
 def default(spec: KernelSpec) -> opkit.Candidate:
     """An untuned but sensible choice: split-K when the output is a handful of tiles and K is long
     (decode), else 128x128 tiles (smaller for small M/N) with BLOCK_K 64 (32 for fp32), 3 stages."""
-    return opkit.gemm_default(_dims(problem_shape(spec)), spec.device, spec.dtype, space(spec))
+    sp = space(spec)
+    cand = opkit.gemm_default(_dims(problem_shape(spec)), spec.device, spec.dtype, sp)
+    # Misaligned operands of a large problem: the copy is cheap next to element-wise loads of every tile.
+    bt, m, n, k = _dims(problem_shape(spec))
+    padded = opkit.Candidate.make("padded", **cand.p)
+    if cand.variant == "tiled" and min(m, n, k) >= 256 and padded in sp:
+        return padded
+    return cand
 
 
 def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
@@ -280,8 +311,8 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
     loops); GROUP_M=2 over 3 tile rows (33x17x40) leaves a partial last group; split-K with more
     splits than K blocks leaves empty splits, whose partials must be 0. The persistent variant where
     TMA allows it in every dtype (the test runs these candidates in all three: N and K multiples of 8,
-    2-D), its 16-wide tiles over GROUP_M=2 leaving partial tiles and groups. More block sizes are covered
-    in tests/test_op_matmul.py."""
+    2-D), its 16-wide tiles over GROUP_M=2 leaving partial tiles and groups; the padded variant where a
+    row is misaligned. More block sizes are covered in tests/test_op_matmul.py."""
     shape = problem_shape(spec)
     k = shape[-1]
     bk = 32 if k >= 64 else 16
@@ -293,6 +324,9 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
     if len(shape) == 3 and shape[1] % 8 == 0 and k % 8 == 0 and spec.inputs[0].contiguous and spec.inputs[1].contiguous:
         out.append(opkit.Candidate.make("persistent", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=2, num_warps=4,
                                         num_stages=1, FLATTEN=False))
+    if _misaligned(spec):  # rows copied into aligned buffers: 16-wide tiles over the same tails
+        out.append(opkit.Candidate.make("padded", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=2, num_warps=4,
+                                        num_stages=1))
     return out
 
 

@@ -116,9 +116,18 @@ def run(module, inputs, out, attrs) -> None:
     module.launch(x.reshape(-1, n), w.reshape(-1), out.view(-1, n), attrs["eps"])
 
 
-# The persistent variant and its knobs: opkit.with_persistent_rows. The looped variant's own knob: EVICT=1
-# loads x with "evict_last" in the first pass (the row stays in L2 for the second) and "evict_first" in the
-# second, as Inductor's looped reductions do. Not yet measured on a GPU (2026-12-06; docs/notes.md).
+# The persistent variant and its knobs: opkit.with_persistent_rows, only on tensors of at most
+# PERSISTENT_MAX_NUMEL elements. Measured on an H100 (budget-50 search, 2026-12-06, screen p50 of each variant's
+# best point; bench/results/h100-knobs-search-2026-12-06.json, docs/notes.md stop 30): at 8M elements it was
+# the fastest point (2048x4096 fp16: persistent 12.94 us, F.rms_norm 13.16, multirow 13.19, row 13.29; bf16:
+# 13.04 vs row 13.29) or within 1.5% (4096x2048 bf16 form="hf": multirow 13.15, persistent 13.35); at 64M and
+# 128M it lost (8192x8192: multirow 88.21 vs persistent 92.6, 5%; 32768x4096: multirow 177.06 vs 184.7, 4%).
+# Decode shapes (1, 4, 16 rows) have no persistent points (their programs do not loop).
+PERSISTENT_MAX_NUMEL = 16 * 2**20
+# The looped variant's own knob: EVICT=1 loads x with "evict_last" in the first pass (the row stays in L2 for
+# the second) and "evict_first" in the second, as Inductor's looped reductions do. Measured on the same H100
+# search (time at EVICT=1 / EVICT=0 of looped points differing only in EVICT): it pays at large shapes
+# (8192x8192: 0.88-0.98; 32768x4096: 0.76-1.0).
 LOOPED_EVICT = [0, 1]
 # The shape tests/test_templates.py renders every point of: enough rows that persistent programs loop.
 MID_SHAPE = (4096, 1000)
@@ -128,7 +137,7 @@ def space(spec: KernelSpec) -> opkit.Space:
     dim = spec.attrs.get("dim", -1)
     if dim != -1:
         return opkit.strided_space(spec, dim)
-    sp = opkit.with_persistent_rows(spec, opkit.row_space(spec))
+    sp = opkit.with_persistent_rows(spec, opkit.row_space(spec), max_numel=PERSISTENT_MAX_NUMEL)
     return opkit.Space({**sp.variants, "looped": {**sp.variants["looped"], "EVICT": LOOPED_EVICT}}, sp.valid)
 
 

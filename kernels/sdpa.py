@@ -435,8 +435,8 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
         rows = hq // hkv * sq  # a kv head's query heads, packed
         ctx["SPLITS"], ctx["BLOCKS_PER_SPLIT"] = _splits(skv, bn, ctx["NUM_SPLITS"])
         ctx["MASK_M"] = rows % bm != 0
-        # merge kernel: rows per program, 4K fp32 accumulator values at most
-        ctx["MERGE_ROWS"] = max(1, min(64, 4096 // ctx["BLOCK_D"], opkit.next_pow2(b * hq * sq)))
+        # the merge kernel's tile of every split's partial row (the splits launched, padded to a power of 2)
+        ctx["MERGE_SPLITS"] = opkit.next_pow2(ctx["SPLITS"])
     else:
         ctx["MASK_M"] = sq % bm != 0
     ctx["IS_CAUSAL"] = bool(spec.attrs["causal"])

@@ -400,8 +400,10 @@ def test_every_point_renders_to_a_distinct_module(device):
     shape = (1, 4096, 4096) if device == "cuda" else (33, 17, 40)
     spec = MOD.make_spec(shape, "bfloat16", device)
     points = list(MOD.space(spec).all_points())
-    # N = 17 (cpu) and one row of tiles (cuda): no persistent points there (its tests are below)
-    assert {c.variant for c in points} == set(MOD.TEMPLATES) - {"persistent"}
+    # N = 17 (cpu) and one row of tiles (cuda): no persistent points there (its tests are below); padded
+    # only where N = 17 leaves B's rows misaligned (cpu)
+    absent = {"persistent", "padded"} if device == "cuda" else {"persistent"}
+    assert {c.variant for c in points} == set(MOD.TEMPLATES) - absent
     sources = set()
     for cand in points:
         src = codegen.render(OP, spec, cand)
@@ -410,7 +412,8 @@ def test_every_point_renders_to_a_distinct_module(device):
         for key, value in cand.params:
             assert f"{key}={value}" in src, (cand.label, key)
         # Runtime loop bounds on CUDA (one compile serves every K); constexprs on the interpreter.
-        bound = "N_DIV, K: tl.constexpr" if cand.variant == "tiled" else "K_DIV, K_SPLIT: tl.constexpr"
+        bound = {"tiled": "N_DIV, K: tl.constexpr", "padded": "KL: tl.constexpr"}.get(cand.variant,
+                                                                                   "K_DIV, K_SPLIT: tl.constexpr")
         assert (bound in src) == (device == "cpu")
         sources.add(src)
     assert len(sources) == len(points)
@@ -523,3 +526,96 @@ def test_persistent_gpu_space_is_modest_and_large_tiled():
                            ("cpu", "for i in range(ITERS):")):
         spec = MOD.make_spec((2048, 2048, 256), "bfloat16", device)
         assert needle in codegen.render(OP, spec, MOD.space(spec).points("persistent")[0])
+
+
+# --- padded (misaligned rows copied into aligned buffers) ------------------------------------------------
+
+def padded(bm=16, bn=16, bk=16, group=1) -> Candidate:
+    return Candidate.make("padded", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=4,
+                          num_stages=STAGES)
+
+
+@pytest.mark.parametrize("shape,dtype,cand", [
+    ((33, 17, 40), "bfloat16", padded()),              # N = 17: B copied (rows padded to 32), A read in place
+    ((20, 32, 37), "float16", padded(bk=32)),         # K = 37: A copied, its K tail zeroed; B in place, masked K tail
+    ((17, 19, 23), "float32", padded(group=2)),       # both copied, partial tiles everywhere, a partial group
+    ((2, 9, 21, 19), "bfloat16", padded()),           # batched, both copied
+    ((1, 3, 300), "float16", padded(bk=32)),          # one row, long K
+])
+def test_padded_matches_the_oracle(shape, dtype, cand, tmp_path):
+    spec = MOD.make_spec(shape, dtype, DEVICE)
+    assert "padded" in MOD.space(spec).variants
+    module = _module(spec, cand, tmp_path)
+    assert check_candidate(MOD, module, spec, SEED, _sync) is None
+    out, ref = _run(spec, module)
+    tol = MOD.tolerance_for(spec)
+    assert compare(out, ref, tol) is None
+    assert compare(out[..., -1:, :], ref[..., -1:, :], tol) is None  # the partial last tile row and column
+    assert compare(out[..., :, -1:], ref[..., :, -1:], tol) is None
+
+
+def test_padded_never_reads_the_uninitialised_padding(tmp_path, monkeypatch):
+    """The copies are made with new_empty: their columns past N are never zeroed. Filled with NaN here
+    (as stale memory may be), the result is still exact: those columns are never stored, and the K tail
+    that is read is zeroed."""
+    spec = MOD.make_spec((24, 17, 21), "float32", DEVICE)
+    module = _module(spec, padded(), tmp_path)
+    real_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **k: real_empty(t, *a, **k).fill_(float("nan")))
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(24, 21, generator=gen).to(DEVICE), torch.randn(21, 17, generator=gen).to(DEVICE))
+    out = torch.full((24, 17), float("nan"), device=DEVICE)
+    module.launch(a, b, out)
+    _sync()
+    torch.testing.assert_close(out.double(), a.double() @ b.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_padded_takes_any_layout(tmp_path):
+    """x @ w.t() with a misaligned K (B's row stride 21 elements) and a transposed A: each is copied into
+    an aligned buffer, whatever its strides. The rendered kernel does not bake them in."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(21, 18, generator=gen).to(torch.float16).to(DEVICE).t()   # (18, 21), strides (1, 18)
+    w = torch.randn(13, 21, generator=gen).to(torch.float16).to(DEVICE)       # B = w.t(): (21, 13), (1, 21)
+    spec = MOD.make_spec((18, 13, 21), "float16", DEVICE)
+    a_s, b_s = spec.inputs
+    spec = type(spec)(spec.op, (type(a_s)(a_s.shape, a_s.dtype, x.stride(), a_s.device),
+                                type(b_s)(b_s.shape, b_s.dtype, w.t().stride(), b_s.device)), spec.attrs)
+    assert "padded" in MOD.space(spec).variants
+    module = _module(spec, padded(), tmp_path)
+    out = torch.empty(18, 13, dtype=torch.float16, device=DEVICE)
+    module.launch(x, w.t(), out)
+    _sync()
+    torch.testing.assert_close(out.float(), (x.double() @ w.t().double()).float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("shape,dtype,strides,ok", [
+    ((8205, 2949, 5921), "bfloat16", None, True),   # the issue's misaligned shape: every row odd
+    ((64, 32, 36), "float16", None, True),          # K = 36: 72-byte rows of A
+    ((64, 20, 32), "bfloat16", None, True),         # N = 20: 40-byte rows of B and C
+    ((64, 30, 32), "float32", None, True),          # N = 30: 120-byte rows
+    ((64, 24, 40), "bfloat16", None, False),        # 48- and 80-byte rows: tiled vectorises them
+    ((4096, 4096, 4096), "float16", None, False),
+    ((64, 32, 64), "bfloat16", ((64, 1), (1, 64)), False),  # x @ w.t(), K = 64: aligned columns of B
+    ((64, 32, 64), "bfloat16", ((68, 1), (32, 1)), True),   # A's rows padded to 68 elements (136 bytes)
+    ((2, 16, 32, 32), "float16", None, False),
+    ((2, 16, 30, 32), "float16", None, True),
+])
+def test_padded_is_in_the_space_only_for_misaligned_rows(shape, dtype, strides, ok):
+    for device in ("cuda", "cpu"):
+        spec = MOD.make_spec(shape, dtype, device)
+        if strides:
+            a, b = spec.inputs
+            spec = type(spec)(spec.op, (type(a)(a.shape, a.dtype, strides[0], a.device),
+                                        type(b)(b.shape, b.dtype, strides[1], b.device)), spec.attrs)
+        sp = MOD.space(spec)
+        assert ("padded" in sp.variants) == ok
+        assert any(c.variant == "padded" for c in sp.all_points()) == ok
+
+
+def test_padded_is_the_default_for_a_large_misaligned_problem():
+    spec = MOD.make_spec((8205, 2949, 5921), "bfloat16", "cuda")
+    d = MOD.default(spec)
+    assert d.variant == "padded" and d in MOD.space(spec)
+    # small or aligned problems keep their default
+    assert MOD.default(MOD.make_spec((4096, 4096, 4096), "bfloat16", "cuda")).variant == "tiled"
+    assert MOD.default(MOD.make_spec((1, 4096, 4095), "bfloat16", "cuda")).variant != "padded"

@@ -85,11 +85,11 @@ def row_candidates(variant: str, shape: tuple[int, ...]) -> list[Candidate]:
     return [Candidate.make("multirow", ROWS=multirow_rows(m), num_warps=4)]
 
 
-# Shapes some variants need besides SHAPES, run for those variants only: the persistent row variant
+# Shapes some variants need besides SHAPES, run for those variants only: rmsnorm's persistent variant
 # (opkit.with_persistent_rows) exists only where programs loop over row blocks (more blocks than
 # PROGRAMS_PER_SM x the interpreter's 4 SMs): 67 rows (a partial last block of 4 rows) of 100 columns (a partial
-# column block). tests/test_row_knobs.py runs every (ROWS, EVICT) pair there.
-EXTRA_SHAPES = {name: [(67, 100)] for name in ("rmsnorm", "softmax", "layer_norm")}
+# column block). tests/test_row_knobs.py runs every ROWS value there.
+EXTRA_SHAPES = {"rmsnorm": [(67, 100)]}
 EXTRA_VARIANTS = ("persistent",)
 
 
@@ -322,6 +322,11 @@ def test_every_point_of_a_mid_space_renders(op_name, device):
     for attrs in getattr(op.module, "VARIANT_ATTRS", {}).values():
         other = op.module.make_spec(getattr(op.module, "MID_SHAPE", (64, 1000)), "float16", device, dict(attrs))
         specs += [(other, cand) for cand in op.module.space(other).all_points()]
+    # variants only some layouts reach (matmul's padded: misaligned rows), at MID_EXTRA_SHAPES: those only
+    for shape in getattr(op.module, "MID_EXTRA_SHAPES", {}).get(device, []):
+        other = op.module.make_spec(shape, "float16", device)
+        seen = {c.variant for _, c in specs}
+        specs += [(other, cand) for cand in op.module.space(other).all_points() if cand.variant not in seen]
     points = [cand for _, cand in specs]
     assert {c.variant for c in points} == set(op.module.TEMPLATES)
     sources = set()
