@@ -90,6 +90,11 @@ def test_matmul_and_sdpa_targets():
     assert pt.row(pre, COPY)["met"] is True  # 96% of SDPA's speed
     pre["contestants"][0] = _c("forge", 106.0)
     assert pt.row(pre, COPY)["met"] is False
+    # decided eager: forge runs SDPA / cuBLAS itself, which meets neither target
+    assert pt.row(_target("sdpa", "4x32x2048x2048x128", decision="eager",
+                          contestants=[_c("forge", status="skipped"), _c("eager", 100.0)]), COPY)["met"] is False
+    assert pt.row(_target("matmul", "4096x4096x4096", decision="eager", gemm=True, flops=1,
+                          contestants=[_c("forge", status="skipped"), _c("eager", 100.0)]), COPY)["met"] is False
     dec = _target("sdpa", "1x32x1x8192x128", contestants=[_c("forge", 100.0), _c("eager", 100.0)])
     assert pt.row(dec, COPY)["met"] is False  # decode: strictly ahead
     dec["contestants"][0] = _c("forge", 90.0)
@@ -111,13 +116,37 @@ def test_table_and_readme_block_round_trip(tmp_path):
     ])))
     text = pt.table([doc])
     assert "| rmsnorm 8192x8192 | 70.0 | — | — | 68.0 | — | skipped | 1.029 (compile) |" in text
-    assert "1 of 2 rows meet their target. matmul at or above cuBLAS on 1 of 1 shapes" in text
+    assert "1 of 2 rows meet their target. matmul at or above cuBLAS on 1 of 1 rows, 1 distinct shapes" in text
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{pt.PEERS_BEGIN}\nold\n{pt.PEERS_END}\n\nafter\n")
     pt.main(["--readme", str(readme), str(doc)])
     files, block = pt.readme_block(readme)
     assert files == ["bench.json"] and block == text
     assert readme.read_text().endswith(f"{pt.PEERS_END}\n\nafter\n")
+
+
+def test_a_row_measured_again_in_a_later_file_is_superseded(tmp_path):
+    """The later run's row is the verdict; the earlier one is shown, marked, and not counted."""
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(_doc([
+        _target("matmul", "8205x2949x5921", flops=1, gemm=True, decision="eager",
+                contestants=[_c("forge", status="skipped"), _c("eager", 2000.0)]),
+        _target("matmul", "16x4096x4096", flops=1, gemm=True, contestants=[_c("forge", 12.0), _c("eager", 13.0)]),
+    ])))
+    second.write_text(json.dumps(_doc([
+        _target("matmul", "8205x2949x5921", flops=1, gemm=True, contestants=[_c("forge", 600.0), _c("eager", 2000.0)]),
+    ])))
+    text = pt.table([first, second])
+    assert text.startswith("run a: `a.json`") and "\nrun b: `b.json`" in text
+    assert "| matmul 8205x2949x5921 (run a) | eager |" in text
+    assert text.count("superseded by run b (no)") == 1
+    assert "| matmul 8205x2949x5921 (run b) | 600.0 |" in text and "| yes |" in text
+    assert "2 of 2 rows meet their target. matmul at or above cuBLAS on 2 of 2 rows, 2 distinct shapes" in text
+    # run a's row was decided eager (cuBLAS itself): not met, and superseded
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{pt.PEERS_BEGIN}\n{pt.PEERS_END}\n")
+    pt.main(["--readme", str(readme), str(first), str(second)])
+    assert pt.readme_block(readme) == (["a.json", "b.json"], text)
 
 
 def test_the_readme_block_is_what_the_committed_results_make():
