@@ -35,9 +35,19 @@ class Fused:
     # where it applies): the Fused for these attrs. The label names the call, and a cached "torch" decision
     # is served only by the call whose label it recorded (forge/shim.py).
     for_attrs: Callable[[dict], Fused] | None = None
+    # Where the call differs from eager only for some shapes or layouts (matmul: operands with misaligned rows,
+    # copied into aligned ones first; elsewhere it is torch.matmul itself): whether it does for a spec.
+    differs_for: Callable[[Any], bool] | None = None
 
     def pick(self, attrs: dict) -> Fused:
         return self.for_attrs(attrs) if self.for_attrs is not None else self
+
+    def is_eager_call(self, attrs: dict, spec=None) -> bool:
+        """Whether the spec's eager reference already is this call (then it is no candidate, and bench reports
+        it "same as eager"): by the attributes, and for a Fused with differs_for, by the spec."""
+        if self.same_as_eager(attrs):
+            return True
+        return spec is not None and self.differs_for is not None and not self.differs_for(spec)
 
 
 def _always(attrs: dict) -> bool:
@@ -98,6 +108,38 @@ def _other_order(w, n_dim: int | None = None, n_to: int | None = None):
         view.narrow(n_dim, w.shape[n_dim], n_to - w.shape[n_dim]).zero_()
     view.narrow(0, 0, w.shape[0]).narrow(1, 0, w.shape[1]).copy_(w)
     return view
+
+
+def _matmul_aligned(inputs, attrs):
+    """torch.matmul (cuBLAS) on copies of the operands whose rows are not 16-byte aligned, their rows padded to
+    _PAD_BYTES and K's padding zero; the output's first N columns copied out contiguous where N was padded.
+    Inductor's pad_mm does the same: on the H100, 8205x2949x5921 bf16 took 2144 µs in eager (cuBLAS's align-1
+    kernels), 476 µs under torch.compile, 640 µs in forge's padded tile loop
+    (bench/results/h100-peers-gemm-padded-bench-2026-12-06.json). Aligned operands are used as they are."""
+    torch = _torch()
+    a, b = inputs
+    k, n, e = a.shape[-1], b.shape[-1], a.element_size()
+    pad_k, pad_n = (k * e) % 16 != 0, (n * e) % 16 != 0
+    kp = _pad_to(k, e) if pad_k else k
+    if pad_k:
+        ap = a.new_empty((*a.shape[:-1], kp))
+        ap[..., k:].zero_()
+        ap[..., :k].copy_(a)
+        a = ap
+    if pad_k or pad_n:
+        np_ = _pad_to(n, e) if pad_n else n
+        bp = b.new_empty((*b.shape[:-2], kp, np_))  # columns past N: their products are never kept
+        bp[..., k:, :].zero_()
+        bp[..., :k, :n].copy_(b)
+        b = bp
+    out = torch.matmul(a, b)
+    return out[..., :n].contiguous() if pad_n else out
+
+
+def _matmul_misaligned(spec) -> bool:
+    from forge import ops
+
+    return ops.get("matmul").module.misaligned(spec)
 
 
 def _linear_other_layout(inputs, attrs):
@@ -195,7 +237,10 @@ FUSED: dict[str, Fused | str] = {
     # (torch can use its flash backend, and reads k/v once per group)
     "sdpa": Fused("F.scaled_dot_product_attention", _sdpa,
                   same_as_eager=lambda attrs: attrs.get("form") not in ("mask", "repeat")),
-    "matmul": Fused("torch.matmul", lambda i, a: _torch().matmul(i[0], i[1]), same_as_eager=_always),
+    # torch.matmul is the user's call; where an operand's rows are misaligned, torch.matmul on aligned copies is
+    # a candidate (Inductor's pad_mm)
+    "matmul": Fused("torch.matmul on copies with 16-byte aligned rows (Inductor's pad_mm)", _matmul_aligned,
+                    differs_for=_matmul_misaligned),
     "cross_entropy": Fused("F.cross_entropy", lambda i, a: _f().cross_entropy(
         i[0], i[1], ignore_index=a["ignore_index"], reduction=a["reduction"]), same_as_eager=_always),
     "reduce": Fused("torch.sum / mean / amax / argmax", _reduce, same_as_eager=_always),
@@ -219,11 +264,11 @@ def get(op: str, attrs: dict | None = None) -> Fused | str:
     return f.pick(attrs) if attrs is not None and isinstance(f, Fused) else f
 
 
-def candidate(op: str, attrs: dict) -> Fused | None:
+def candidate(op: str, attrs: dict, spec=None) -> Fused | None:
     """The fused op as a search candidate for a spec with these attributes: None when there is none or
-    when the spec's eager reference already is that call."""
+    when the spec's eager reference already is that call (Fused.is_eager_call: by the spec too, where given)."""
     f = get(op, attrs)
-    if isinstance(f, str) or f.same_as_eager(attrs):
+    if isinstance(f, str) or f.is_eager_call(attrs, spec):
         return None
     return f
 

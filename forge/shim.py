@@ -560,7 +560,7 @@ def _torch_decision(op, entry, loc, spec, indices, inputs, attrs, getters) -> tu
     untrusted input: a decision for an op or attributes without a torch op here runs the code as written)."""
     from forge import fused
 
-    f = fused.candidate(op.name, spec.attrs)
+    f = fused.candidate(op.name, spec.attrs, spec)
     if f is None:
         return None, Explanation("eager", f"cached decision is a torch op, but forge knows none for {op.name} "
                                  f"{spec.attrs} (forge/fused.py)", op=op.name, key=entry.key)
@@ -689,7 +689,7 @@ def load(op: str, shape, dtype: str = "float16", *, device: str = "cuda", cache=
     if entry.decision == "torch":  # torch's fused op was measured fastest: that is what load returns
         from forge import fused
 
-        f = fused.candidate(op, spec.attrs)
+        f = fused.candidate(op, spec.attrs, spec)
         if f is None:
             raise LookupError(f"{op} {shape} {dtype}: the cached decision is a torch op, but forge knows none "
                               "for this spec")

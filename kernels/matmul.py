@@ -177,12 +177,12 @@ CPU_GRID = opkit.GEMM_CPU_GRID
 
 def space(spec: KernelSpec) -> opkit.Space:
     variants = ("tiled", "splitk", "persistent") if _tma_ok(spec) else ("tiled", "splitk")
-    if _misaligned(spec):
+    if misaligned(spec):
         variants += ("padded",)
     return opkit.gemm_space(_dims(problem_shape(spec)), spec.device, spec.dtype, variants=variants)
 
 
-def _misaligned(spec: KernelSpec) -> bool:
+def misaligned(spec: KernelSpec) -> bool:
     """Whether some operand has a row that is not 16-byte aligned: a stride (of a dim longer than 1) that
     is not 1 and not a multiple of 16 bytes, or no unit stride at all. Such rows cannot be loaded as
     vectors, which the padded variant's copy cures; elsewhere it would only add the copy."""
@@ -324,7 +324,7 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
     if len(shape) == 3 and shape[1] % 8 == 0 and k % 8 == 0 and spec.inputs[0].contiguous and spec.inputs[1].contiguous:
         out.append(opkit.Candidate.make("persistent", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=2, num_warps=4,
                                         num_stages=1, FLATTEN=False))
-    if _misaligned(spec):  # rows copied into aligned buffers: 16-wide tiles over the same tails
+    if misaligned(spec):  # rows copied into aligned buffers: 16-wide tiles over the same tails
         out.append(opkit.Candidate.make("padded", BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, GROUP_M=2, num_warps=4,
                                         num_stages=1))
     return out

@@ -309,3 +309,56 @@ def test_a_torch_decision_is_served_only_by_the_torch_op_it_timed(tmp_path, monk
     assert e.uses == "eager" and "something_else" in e.reason and "F.gelu" in e.reason, e
     y = g(x)
     assert torch.equal(y, tanh_formula(x))  # the formula as written ran
+
+
+# --- matmul: torch.matmul on aligned copies where rows are misaligned (Inductor's pad_mm) --------------------
+
+def _mm_spec(shape, dtype="float32", strides=None):
+    from forge import ops
+
+    mod = ops.get("matmul").module
+    spec = mod.make_spec(shape, dtype, "cpu")
+    if strides:
+        spec = type(spec)(spec.op, tuple(type(t)(t.shape, t.dtype, st, t.device)
+                                         for t, st in zip(spec.inputs, strides, strict=True)), spec.attrs)
+    return spec
+
+
+def test_matmul_torch_op_is_a_candidate_only_for_misaligned_rows():
+    assert fused.candidate("matmul", {}, _mm_spec((64, 32, 64))) is None  # torch.matmul is the user's call
+    assert fused.candidate("matmul", {}, _mm_spec((64, 32, 30))).label.startswith("torch.matmul on copies")
+    assert fused.candidate("matmul", {}, _mm_spec((64, 30, 32), "bfloat16")) is not None  # 60-byte rows of B
+    assert fused.candidate("matmul", {}, _mm_spec((64, 24, 40), "bfloat16")) is None  # 48- and 80-byte rows
+    # a cached "torch" decision for an aligned spec (untrusted input) is not served: no such candidate there
+    assert fused.candidate("matmul", {}, _mm_spec((8, 8, 8))) is None
+
+
+@pytest.mark.parametrize(("a_shape", "b_shape", "dtype"), [
+    ((33, 21), (21, 17), torch.float32),       # K and N misaligned: both copied, the output's columns cut
+    ((20, 37), (37, 16), torch.float16),       # K misaligned, N aligned
+    ((20, 32), (32, 13), torch.bfloat16),      # N misaligned only: A used as it is
+    ((3, 9, 21), (3, 21, 11), torch.float32),  # batched
+    ((16, 32), (32, 16), torch.float32),       # aligned: torch.matmul itself
+])
+def test_matmul_on_aligned_copies_equals_the_product(a_shape, b_shape, dtype, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(a_shape, generator=gen).to(dtype), torch.randn(b_shape, generator=gen).to(dtype)
+    # stale memory in the copies' padding: the columns past N are never zeroed and must never matter
+    real_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *s, **k: real_empty(t, *s, **k).fill_(float("nan")))
+    f = fused.get("matmul", {})
+    out = f.fn((a, b), {})
+    assert out.shape == (*a_shape[:-1], b_shape[-1]) and out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out.double(), a.double() @ b.double(), atol=2e-2, rtol=2e-2)
+
+
+@cpu_only
+def test_a_misaligned_matmul_search_times_the_torch_op(tmp_path):
+    rep = engine.search("matmul", (33, 17, 21), "float32", device="cpu", cache=Cache(tmp_path / "forge.db"),
+                        options=engine.SearchOptions(budget=1, workers=1, timeout=120))
+    torch_op = [c for c in rep.candidates if c["variant"] == "torch"]
+    assert len(torch_op) == 1 and torch_op[0]["status"] == "ok", torch_op
+    assert torch_op[0]["label"].startswith("torch.matmul on copies")
+    aligned = engine.search("matmul", (16, 16, 16), "float32", device="cpu", cache=Cache(tmp_path / "forge.db"),
+                            options=engine.SearchOptions(budget=1, workers=1, timeout=120))
+    assert not [c for c in aligned.candidates if c["variant"] == "torch"]  # torch.matmul is the baseline there

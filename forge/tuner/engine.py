@@ -684,7 +684,7 @@ def _search_locked(op, spec, env, key, backend, cache, opts: SearchOptions, emit
         # torch's fused op (forge/fused.py), where the spec's eager reference is not already that call: one
         # more candidate, outside the budget, validated and timed like the others (issue 14: the user's code
         # is the baseline; torch's op and forge's kernels compete to replace it).
-        torch_op = fused.candidate(op.name, spec.attrs) if opts.torch_op else None
+        torch_op = fused.candidate(op.name, spec.attrs, spec) if opts.torch_op else None
         if torch_op is not None and not out_of_time():
             cand = Candidate.make(TORCH_OP_VARIANT)
             r = results[cand] = CandidateResult(cand, path=TORCH_OP_PATH, label=torch_op.label)

@@ -145,7 +145,7 @@ class Session:
         """torch's fused op for this spec as a call (the engine sends TORCH_OP_PATH only where there is one)."""
         from forge import fused
 
-        f = fused.candidate(self.spec.op, self.spec.attrs)
+        f = fused.candidate(self.spec.op, self.spec.attrs, self.spec)
         if f is None:
             raise ValueError(f"{self.spec.op} has no torch-op candidate for {self.spec.attrs}")
         attrs = self.spec.attrs

@@ -143,7 +143,7 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
         return (lambda inputs: fn(inputs, attrs)), (lambda bench: (lambda i: fn(bench.inputs[i], attrs)))
 
     # forge: the cached winner
-    torch_op = fused_ops.candidate(target.op, attrs) if entry.decision == "torch" else None
+    torch_op = fused_ops.candidate(target.op, attrs, spec) if entry.decision == "torch" else None
     label = (f"{entry.variant}({_fmt_params(entry.params)})" if entry.decision == "kernel" else
              f"torch op {torch_op.label}" if torch_op is not None else f"({entry.decision} decision)")
     c = ContestantResult("forge", label)
@@ -197,7 +197,7 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
         c.status, c.reason = Status.SKIPPED, fused
     elif "fused" in opts.skip:
         c.status, c.reason = Status.SKIPPED, "--skip fused"
-    elif fused.same_as_eager(attrs):
+    elif fused.is_eager_call(attrs, spec):
         c.status, c.reason = Status.SKIPPED, f"same as eager: the op's eager reference already is {fused.label}"
     else:
         c.call, c.timing = generic(fused.fn)
