@@ -115,18 +115,20 @@ def _matmul_aligned(inputs, attrs):
     _PAD_BYTES and K's padding zero; the output's first N columns copied out contiguous where N was padded.
     Inductor's pad_mm does the same: on the H100, 8205x2949x5921 bf16 took 2144 µs in eager (cuBLAS's align-1
     kernels), 476 µs under torch.compile, 640 µs in forge's padded tile loop
-    (bench/results/h100-peers-gemm-padded-bench-2026-12-06.json). Aligned operands are used as they are."""
+    (bench/results/h100-peers-gemm-padded-bench-2026-12-06.json). A non-contiguous operand (a layout whose
+    stride is misaligned: kernels/matmul.py misaligned) is copied too; aligned contiguous ones are used as they
+    are."""
     torch = _torch()
     a, b = inputs
     k, n, e = a.shape[-1], b.shape[-1], a.element_size()
     pad_k, pad_n = (k * e) % 16 != 0, (n * e) % 16 != 0
     kp = _pad_to(k, e) if pad_k else k
-    if pad_k:
+    if pad_k or not a.is_contiguous():
         ap = a.new_empty((*a.shape[:-1], kp))
         ap[..., k:].zero_()
         ap[..., :k].copy_(a)
         a = ap
-    if pad_k or pad_n:
+    if pad_k or pad_n or not b.is_contiguous():
         np_ = _pad_to(n, e) if pad_n else n
         bp = b.new_empty((*b.shape[:-2], kp, np_))  # columns past N: their products are never kept
         bp[..., k:, :].zero_()

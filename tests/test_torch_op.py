@@ -352,6 +352,23 @@ def test_matmul_on_aligned_copies_equals_the_product(a_shape, b_shape, dtype, mo
     torch.testing.assert_close(out.double(), a.double() @ b.double(), atol=2e-2, rtol=2e-2)
 
 
+def test_matmul_on_aligned_copies_takes_misaligned_layouts():
+    """A transposed A whose stride (M = 13 elements) is misaligned, K and N aligned: a candidate (the spec says
+    so), and the call copies A into a contiguous buffer (cuBLAS would get the misaligned stride otherwise)."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(16, 13, generator=gen).t()  # (13, 16), strides (1, 13)
+    b = torch.randn(16, 8, generator=gen)
+    spec = _mm_spec((13, 8, 16), "float32", [a.stride(), b.stride()])
+    assert fused.candidate("matmul", {}, spec) is not None
+    seen = []
+    real = torch.matmul
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "matmul", lambda x, y: seen.append((x.is_contiguous(), y.is_contiguous())) or real(x, y))
+        out = fused.get("matmul", {}).fn((a, b), {})
+    assert seen == [(True, True)]
+    torch.testing.assert_close(out.double(), a.double() @ b.double(), atol=1e-5, rtol=1e-5)
+
+
 @cpu_only
 def test_a_misaligned_matmul_search_times_the_torch_op(tmp_path):
     rep = engine.search("matmul", (33, 17, 21), "float32", device="cpu", cache=Cache(tmp_path / "forge.db"),
