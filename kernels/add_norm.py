@@ -31,7 +31,9 @@ OPTIONAL_ATTRS = ("form",)
 # gives the region that add as an extra output: h, read again by the next residual add, is the kernel's [1].
 KEEP_MULTI_USE = ("add",)
 FILL_MISSING_ATTRS = True  # how many inputs are filled in depends on the norm
-# Whole-row variants hold x (= h), w and, for layer_norm, b in registers: layer_norm.py's cap.
+# Whole-row variants hold x (= h), w and, for layer_norm, b in registers: layer_norm.py's cap. (x and r are live
+# together at the start, with w and b loaded alongside in their own dtype, as many registers as d, w and b in
+# fp32 later.)
 MAX_ELEMS_PER_THREAD = 32
 # Test data: rows far from zero for layer_norm (layer_norm.py's OFFSET_SPREADS says why).
 OFFSET_SPREADS = {"float16": 30.0, "bfloat16": 100.0, "float32": 100.0}

@@ -160,6 +160,7 @@ default = opkit.row_default
 # counts the non-ignored targets) in a fixed order. Shared by every template through the render
 # context; it lives here rather than in an included template file because ops.OpFamily.template_hash
 # covers this file and the TEMPLATES files only, and an edit to it must change the cache keys.
+REDUCE_BLOCK_MAX = 8192
 _REDUCE_SOURCE = '''
 
 @triton.jit
@@ -193,10 +194,14 @@ def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
     ctx["REDUCTION"] = reduction
     ctx["reduce_source"] = ""
     if reduction != "none":
-        block = min(1024, max(16, opkit.next_pow2(m)))
+        # One block of up to 8192 rows (8 per thread at 32 warps): the losses and targets of a batch arrive in one
+        # round of loads. Capped at 1024 rows (4 warps) before, an 8192-row batch took 8 loop trips of dependent
+        # loads after the row kernel, a few µs of the ~196 that kept 8192x32000 at 89% of the copy bandwidth
+        # (issue 16's target 90%; H100 run a, 2026-12-06). Not yet timed on a GPU.
+        block = min(REDUCE_BLOCK_MAX, max(16, opkit.next_pow2(m)))
         ctx["reduce_source"] = _REDUCE_SOURCE.format(
             m_constexpr=": tl.constexpr" if ctx["N_CONSTEXPR"] else "",  # interpreter loop bound (see opkit)
-            mean=reduction == "mean", block=block, warps=4 if block >= 512 else 1)
+            mean=reduction == "mean", block=block, warps=min(32, max(1, block // 256)))
     return ctx
 
 

@@ -108,6 +108,31 @@ def test_mean_divides_by_the_non_ignored_rows(variant, tmp_path):
     assert math.isclose(out.item(), F.cross_entropy(logits, target).item(), rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_reduction_loops_over_batches_larger_than_its_block(reduction, monkeypatch, tmp_path):
+    """The reduce kernel takes a batch in one block of up to REDUCE_BLOCK_MAX rows and loops past it: with the
+    cap at 64, 133 rows are two full blocks and a partial one (ignored rows in each)."""
+    monkeypatch.setattr(CE, "REDUCE_BLOCK_MAX", 64)
+    m, n = 133, 12
+    spec = CE.make_spec((m, n), "float32", DEVICE, {"reduction": reduction})
+    src = codegen.render(OP, spec, _cands(m, n)["multirow"])
+    assert "BLOCK=64, num_warps=1" in src
+    module = _module(spec, _cands(m, n)["multirow"], tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(m, n, generator=gen) * 3).to(DEVICE)
+    target = torch.randint(0, n, (m,), generator=gen)
+    target[::7] = -100  # rows 0, 7, ... 126: ignored in every block
+    target = target.to(DEVICE)
+    out = _run(spec, module, logits, target)
+    expected = F.cross_entropy(logits.double(), target, reduction=reduction)
+    assert math.isclose(out.item(), expected.item(), rel_tol=1e-5)
+    small = CE.make_spec((40, n), "float32", DEVICE, {"reduction": reduction})
+    assert "BLOCK=64, num_warps=1" in codegen.render(OP, small, _cands(40, n)["row"])  # next_pow2(40)
+    monkeypatch.setattr(CE, "REDUCE_BLOCK_MAX", 8192)
+    big = CE.make_spec((8192, 32000), "bfloat16", DEVICE, {"reduction": reduction})
+    assert "BLOCK=8192, num_warps=32" in codegen.render(OP, big, CE.default(big))
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
 @pytest.mark.parametrize("variant", ["row", "looped", "multirow"])
 def test_all_ignored_matches_torch(variant, tmp_path):
