@@ -68,3 +68,13 @@ def dynamo_graph(fn, *args):
     finally:
         torch._dynamo.reset()
     return got["g"]
+
+
+def search_only(monkeypatch, *ops: str) -> None:
+    """A backend test about some families: a miss of any other op is not searched (it runs as written), where
+    searching every region of a model on the interpreter took most of such a test's time."""
+    from forge import shim
+
+    search = shim._searcher()
+    monkeypatch.setattr(shim, "_search_on_miss",
+                        lambda op, *a, **k: search(op, *a, **k) if op in ops else None)

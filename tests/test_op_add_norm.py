@@ -19,7 +19,7 @@ from forge.regions import find_regions
 from forge.trace import TraceGraph
 from forge.tuner import stats
 from forge.tuner.validate import compare
-from tests.conftest import HAS_CUDA
+from tests.conftest import HAS_CUDA, search_only
 
 OP = ops.get("add_norm")
 MOD = OP.module
@@ -184,6 +184,7 @@ class Block(torch.nn.Module):
 @pytest.mark.slow
 def test_backend_swaps_add_norm_kernels_and_falls_back_on_another_shape(tmp_path, monkeypatch):
     monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)  # the interpreter never beats eager
+    search_only(monkeypatch, "add_norm")  # the linears and pointwise chains run as written
     model = Block().eval()
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
@@ -255,6 +256,7 @@ def test_a_half_precision_hf_llama_runs_add_norm_kernels_through_the_backend(tmp
     from tests.test_trace_capture import LLAMA_CFG, _ids
 
     monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)
+    search_only(monkeypatch, "add_norm", "rmsnorm")  # linear, rope, sdpa, silu_mul: run as written
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_CFG, attn_implementation="sdpa"))
     model = model.eval().to(torch.bfloat16)
@@ -275,8 +277,9 @@ def test_a_half_precision_hf_llama_runs_add_norm_kernels_through_the_backend(tmp
         [("add_norm", "kernel", "hf")] * 4 + [("rmsnorm", "kernel", "hf")]), norms
     calls = [c for c in be.kernel_calls if c.__name__ in ("forge_add_norm", "forge_rmsnorm")]
     assert len(calls) == 5 and all(c.calls >= 1 and c.fallbacks == 0 for c in calls)
+    assert not [r for r in be.explain().regions if r.uses == "kernel" and r.op not in ("add_norm", "rmsnorm")]
     err = float((got - ref).norm() / ref.norm())
-    assert err < 2e-2, err  # bf16: the other regions' kernels (linear, rope...) also differ in rounding
+    assert err < 2e-2, err  # bf16: the norms' fp32 sums add in another order; 0.007 measured (rest eager)
 
 
 @pytest.mark.parametrize(("attrs", "dtype"), [({"norm": "rmsnorm"}, "float32"), ({"norm": "rmsnorm"}, "bfloat16"),
