@@ -295,7 +295,8 @@ def test_near_misses_do_not_match(fn):
     e = forge.explain(f, *args)
     # Not gelu; an elementwise chain, which the generic pointwise family takes as written.
     assert e.uses == "eager" and e.op == "pointwise" and e.reason == "cache miss: would search"
-    assert torch.equal(f(*args), fn(*args))
+    # run as written (not searched: a pointwise search on the interpreter is what cost this test 6 s a case)
+    assert torch.equal(forge.optimize(fn, interpreter=True, warn=False, search=False)(*args), fn(*args))
 
 
 def test_unknown_mode_is_matched_so_make_spec_names_it():

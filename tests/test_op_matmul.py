@@ -151,7 +151,8 @@ def test_unsupported_calls_fall_back_with_a_reason(fn, args, needle):
     f = forge.optimize(fn, interpreter=True, warn=False)
     e = forge.explain(f, *args)
     assert e.uses == "eager" and needle in e.reason, e.reason
-    assert torch.equal(f(*args), fn(*args))
+    # the value as written (not searched: a first call searches the regions Dynamo finds, seconds a case here)
+    assert torch.equal(forge.optimize(fn, interpreter=True, warn=False, search=False)(*args), fn(*args))
 
 
 def test_problem_rejects_what_the_kernels_do_not_index():

@@ -300,7 +300,8 @@ def test_unsupported_calls_fall_back_with_a_reason(fn, needle):
     f = forge.optimize(fn, interpreter=True, warn=False)
     e = forge.explain(f, X)
     assert e.uses == "eager" and needle in e.reason, e.reason
-    assert torch.equal(f(X), fn(X))
+    # the value as written (not searched: a first call searches the regions Dynamo finds, seconds a case here)
+    assert torch.equal(forge.optimize(fn, interpreter=True, warn=False, search=False)(X), fn(X))
 
 
 @cpu_only

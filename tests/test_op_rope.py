@@ -276,7 +276,8 @@ def test_wrong_rotate_half_does_not_match(fn):
     f = forge.optimize(fn, interpreter=True, warn=False)
     e = forge.explain(f, X, COS, SIN)
     assert e.uses == "eager" and e.op is None and "no op family matches" in e.reason, e.reason
-    assert torch.equal(f(X, COS, SIN), fn(X, COS, SIN))
+    # as written (not searched: its first call would search the regions Dynamo finds, 5 s a case here)
+    assert torch.equal(forge.optimize(fn, interpreter=True, warn=False, search=False)(X, COS, SIN), fn(X, COS, SIN))
 
 
 @cpu_only

@@ -297,7 +297,8 @@ def test_unsupported_calls_fall_back_with_a_reason(fn, args, needle):
     e = forge.explain(f, *args)
     assert e.uses == "eager" and needle in e.reason, e
     if fn is not attn_dropout:  # dropout is random
-        assert torch.equal(f(*args), fn(*args))
+        # the value as written (not searched: a first call searches the regions Dynamo finds, seconds a case here)
+        assert torch.equal(forge.optimize(fn, interpreter=True, warn=False, search=False)(*args), fn(*args))
 
 
 def test_match_reads_the_canonical_form():

@@ -198,7 +198,8 @@ def test_non_matches_fall_back(fn):
         assert e.uses == "eager" and e.op is None and "no op family matches" in e.reason
     else:  # not silu_mul; an elementwise chain, which the generic pointwise family takes as written
         assert e.uses == "eager" and e.op == "pointwise" and e.reason == "cache miss: would search"
-    assert torch.equal(f(A, B), fn(A, B))
+    # as written (not searched: a pointwise search on the interpreter is most of this test's time)
+    assert torch.equal(forge.optimize(fn, interpreter=True, warn=False, search=False)(A, B), fn(A, B))
 
 
 def silu_inplace(a, b):
