@@ -392,3 +392,26 @@ def test_cublaslt_gelu_epilogue_is_the_tanh_gelu(dtype):
     tanh_err = (y - torch.nn.functional.gelu(pre, approximate="tanh")).mean().abs().item()
     erf_err = (y - torch.nn.functional.gelu(pre)).mean().abs().item()
     assert tanh_err * 3 < erf_err, (tanh_err, erf_err)
+
+
+def test_a_call_contestant_writes_rotating_buffers_inside_the_timing_graph():
+    """Inside the timing graph's capture the private pool reuses a block freed during the capture: a result
+    dropped at once would make every launch of a sample write one L2-resident buffer. Bench.call_fn's ring
+    keeps n_sets distinct output buffers alive, as forge's kernels write n_sets preallocated ones."""
+    import torch
+
+    from forge import ops
+    from forge.tuner.timing import Bench
+
+    mod = ops.get("rmsnorm").module
+    spec = mod.make_spec((2048, 4096), "float16", "cuda", {})
+    bench = Bench(mod, spec, "cuda", 0)
+    assert bench.n_sets > 1
+    f = bench.baseline_fn()
+    sampler = bench.prepare(f)
+    assert sampler() > 0
+    ptrs = {t.data_ptr() for t in f.held}
+    assert len(ptrs) == bench.n_sets  # distinct live buffers, none of them reused within the sample
+    bench.sync()
+    for i, out in enumerate(f.held):  # the replays' own outputs: slot i holds set i's result
+        torch.testing.assert_close(out, mod.reference(bench.inputs[i], spec.attrs))

@@ -689,3 +689,37 @@ def test_the_pool_keeps_the_largest_peak_any_worker_reports(tmp_path):
     assert pool.peak == 1 * GiB
     rep = _search("softmax", tmp_path)
     assert "peak_per_worker" in rep.memory and rep.memory["peak_per_worker"] is None  # CPU workers: no CUDA peak
+
+
+def test_a_call_contestants_results_rotate_like_a_kernels_outputs():
+    """Bench.call_fn holds a call's results in a ring of n_sets (released one set later), so an allocating
+    contestant (eager, torch's op, torch.compile, Liger) writes rotating buffers as forge's kernels do into
+    Bench.outputs; with one set nothing is held past the call."""
+    mod = ops.get("softmax").module
+    spec = mod.make_spec((4, 8), "float32", "cpu")
+    bench = timing.Bench(mod, spec, "interpreter", 0)
+    assert bench.n_sets == 2
+    made = []
+
+    def call(inputs):
+        made.append(inputs[0] * 2)
+        return made[-1]
+
+    f = bench.call_fn(call)
+    for k in range(5):
+        f(k % bench.n_sets)
+    assert len(f.held) == 2 and f.held[0] is made[4] and f.held[1] is made[3]
+    base = bench.baseline_fn()
+    base(1)
+    torch.testing.assert_close(base.held[1], mod.reference(bench.inputs[1], spec.attrs))
+    assert base.held[0] is None
+
+
+def test_one_timing_set_holds_no_result(monkeypatch):
+    mod = ops.get("softmax").module
+    spec = mod.make_spec((4, 8), "float32", "cpu")
+    monkeypatch.setattr(memory, "free_memory", lambda backend: (100, 2**30))
+    bench = timing.Bench(mod, spec, "interpreter", 0)
+    f = bench.call_fn(lambda inputs: inputs[0] + 1)
+    f(0)
+    assert bench.n_sets == 1 and f.held == []

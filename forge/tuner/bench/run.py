@@ -140,7 +140,8 @@ def _contestants(target: Target, backend: str, src_dir: Path, opts: BenchOptions
     out: list[ContestantResult] = []
 
     def generic(fn: Callable) -> tuple[Callable, Callable]:
-        return (lambda inputs: fn(inputs, attrs)), (lambda bench: (lambda i: fn(bench.inputs[i], attrs)))
+        # timed through Bench.call_fn: its results rotate over output buffers as forge's kernels' outputs do
+        return (lambda inputs: fn(inputs, attrs)), (lambda bench: bench.call_fn(lambda inputs: fn(inputs, attrs)))
 
     # forge: the cached winner
     torch_op = fused_ops.candidate(target.op, attrs, spec) if entry.decision == "torch" else None
