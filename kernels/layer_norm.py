@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from forge import formulas, opkit
+from forge import formulas, hardware, opkit
 from forge.spec import KernelSpec, TensorSpec
 
 NAME = "layer_norm"
@@ -142,8 +142,21 @@ def space(spec: KernelSpec) -> opkit.Space:
 default = opkit.row_default  # <= 16 elements per thread: inside space()
 
 
+# Where the row and multirow kernels load w and b: with x, before the reductions, only where the grid is one
+# wave (at most this many programs per SM). Measured on an H100 (budget-50 searches, bench/results/
+# h100-peers-rows-{b,d}-bench-2026-12-07.json, docs/notes.md stop 32): loaded early everywhere, the decode rows
+# ran 2.3/2.3/2.7 µs (1/4/16 x 4096 bf16) against 2.4/2.5/3.1 loaded after the reductions, but 8192x8192 fell
+# from 93.1 to 108.6 µs (w and b live through the reductions: more registers in a kernel of many waves).
+EARLY_WB_MAX_WAVES = 1
+
+
 def render_context(spec: KernelSpec, cand: opkit.Candidate) -> dict:
-    return opkit.row_render_context(spec, cand, NAME)
+    ctx = opkit.row_render_context(spec, cand, NAME)
+    m, _ = opkit.rows_cols(spec)
+    sms = hardware.GPU_SMS if spec.device == "cuda" else hardware.CPU_SMS
+    programs = -(-m // ctx["ROWS"])
+    ctx["EARLY_WB"] = cand.variant in ("row", "multirow") and programs <= EARLY_WB_MAX_WAVES * sms
+    return ctx
 
 
 def bytes_moved(spec: KernelSpec) -> int:

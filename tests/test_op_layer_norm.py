@@ -137,6 +137,27 @@ def test_missing_weight_or_bias_is_filled_exactly(missing, cand, dtype, tmp_path
     assert compare(out, ref, MOD.tolerance(dtype)) is None
 
 
+@pytest.mark.parametrize("cand", [CANDS[0], CANDS[2]], ids=lambda c: c.variant)
+def test_w_and_b_are_loaded_before_the_reductions_only_in_a_one_wave_grid(cand, tmp_path):
+    """kernels/layer_norm.py EARLY_WB_MAX_WAVES: with x where the grid is one wave of programs (decode rows,
+    where the loads' latency would follow the reductions), after the reductions where there are many waves
+    (8192x8192, where w and b live through the reductions cost registers); both orders against the oracle."""
+    from forge import hardware
+
+    def early(shape, device):
+        src = codegen.render(OP, MOD.make_spec(shape, "bfloat16", device), cand)
+        return "w = w.to(tl.float32)" in src
+
+    assert early((16, 4096), "cuda") and early((hardware.GPU_SMS * cand.p.get("ROWS", 1), 4096), "cuda")
+    assert not early((hardware.GPU_SMS * cand.p.get("ROWS", 1) + 1, 4096), "cuda")
+    assert not early((8192, 8192), "cuda")
+    rows = hardware.CPU_SMS * cand.p.get("ROWS", 1)
+    assert early((rows, 300), "cpu") and not early((rows + 1, 300), "cpu")
+    for m in (rows, rows + 1):  # both orders run, at a partial row group and at a full one
+        spec = MOD.make_spec((m, 300), "bfloat16", DEVICE)
+        assert check_candidate(MOD, _kernel(spec, cand, tmp_path), spec, SEED, _sync) is None
+
+
 # --- the validator is not vacuous ---------------------------------------------------------------------
 
 
