@@ -26,10 +26,11 @@ Variants:
                kernel merges them. The GROUP query heads sharing a K/V head are packed as rows of one
                tile, so K/V is read once per group. For small Sq, where the flash grid (Sq/BLOCK_M x
                B x H programs) cannot fill 132 SMs.
-  flash_tma    flash_split's loops with q, k, v loaded and o stored through 4-D tensor descriptors over
-               (B, H, S, D) in the caller's layout (TMA on Hopper; the tails are zero-filled and clipped
-               by the copy engine, within each head). Only where every stride but D's is a 16-byte multiple
-               (D a multiple of 8 in bf16/fp16, of 4 in fp32) and the installed triton has host descriptors.
+
+A fourth variant, flash_tma (flash_split's loops with q, k, v and o through 4-D tensor descriptors), was
+measured on an H100 and removed: its best screening points took 1.24-1.46x torch SDPA's time at the causal
+prefill rows, flash_split's 1.05-1.38x (bench/results/h100-peers-tma-search-2026-12-07.json; docs/notes.md
+stop 32).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ from forge.spec import KernelSpec, TensorSpec
 
 NAME = "sdpa"
 SUMMARY = "F.scaled_dot_product_attention(q, k, v, is_causal, scale, enable_gqa) forward"
-TEMPLATES = {"flash": "sdpa_flash.j2", "flash_split": "sdpa_flash_split.j2", "split_kv": "sdpa_split_kv.j2",
-             "flash_tma": "sdpa_flash_tma.j2"}
+TEMPLATES = {"flash": "sdpa_flash.j2", "flash_split": "sdpa_flash_split.j2", "split_kv": "sdpa_split_kv.j2"}
 DEFAULT_ATTRS = {"causal": False, "scale": None, "kv_heads": None}
 # form="mask": the user's code passes attn_mask, a boolean tensor that forge/regions.py proved to be a graph
 # constant equal to the causal rule (or all True) and folded into `causal` (fold_constants). The kernels and
@@ -374,27 +374,7 @@ def space(spec: KernelSpec) -> opkit.Space:
 
     variants = {"flash": dict(_GRID), "flash_split": dict(_GRID),
                 "split_kv": {**_GRID, "BLOCK_M": [16, 32, 64], "NUM_SPLITS": [2, 4, 8, 16, 32, 64]}}
-    if _tma_ok(spec):
-        variants["flash_tma"] = dict(_GRID)
     return opkit.Space(variants=variants, valid=valid)
-
-
-def _tma_ok(spec: KernelSpec) -> bool:
-    """Whether flash_tma may render: host-side descriptors in the installed triton, and q, k, v and the
-    contiguous output each with D's stride 1 and every other stride (of a dim longer than 1; a size-1 dim's is
-    never stepped) a multiple of 16 bytes. The base pointers are the shim's concern (forge/shim.py ALIGNMENT),
-    as for matmul's persistent variant."""
-    if not opkit.tma_available():
-        return False
-    d = spec.inputs[0].shape[3]
-    if d * spec.inputs[0].itemsize % opkit.TMA_ALIGN:
-        return False  # the output's rows (and the contiguous fallback strides)
-    for t in spec.inputs:
-        if t.strides[3] != 1 and t.shape[3] > 1:
-            return False
-        if any(n > 1 and s * t.itemsize % opkit.TMA_ALIGN for n, s in zip(t.shape[:3], t.strides[:3], strict=True)):
-            return False
-    return True
 
 
 def default(spec: KernelSpec) -> opkit.Candidate:
@@ -432,8 +412,6 @@ def test_candidates(spec: KernelSpec) -> list[opkit.Candidate]:
     out = [mk("flash", BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=1),
            mk("flash_split", BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1),
            mk("split_kv", BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=4, num_warps=1, num_stages=1)]
-    if _tma_ok(spec):  # the diagonal and tail blocks of flash_split's loops, through descriptors
-        out.append(mk("flash_tma", BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1))
     if spec.device == "cuda":
         out += [mk("flash", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
                 mk("flash_split", BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),

@@ -28,7 +28,7 @@ def test_ops_lists_every_family_with_attrs_and_variants():
     by = {r["op"]: r for r in doc["ops"]}
     assert set(by) == set(ops.available())
     assert by["rmsnorm"]["attrs"]["eps"] == 1e-6 and "form" in by["rmsnorm"]["optional_attrs"]
-    assert set(by["sdpa"]["variants"]) == {"flash", "flash_split", "split_kv", "flash_tma"}
+    assert set(by["sdpa"]["variants"]) == {"flash", "flash_split", "split_kv"}
     assert all(r["variants"] and r["summary"] for r in doc["ops"])
     table = runner.invoke(cli.app, ["ops"])
     assert table.exit_code == 0 and "layer_norm" in table.output and "split_kv" in table.output

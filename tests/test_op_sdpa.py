@@ -46,8 +46,6 @@ def flash_split(bm=32, bn=16) -> Candidate:
     return Candidate.make("flash_split", BLOCK_M=bm, BLOCK_N=bn, num_warps=1, num_stages=1)
 
 
-def flash_tma(bm=32, bn=16) -> Candidate:
-    return Candidate.make("flash_tma", BLOCK_M=bm, BLOCK_N=bn, num_warps=1, num_stages=1)
 
 
 def split_kv(splits=4, bm=16, bn=16) -> Candidate:
@@ -92,7 +90,7 @@ CASES = {
 def _numeric_cases():
     out = []
     for name, (shape, attrs) in CASES.items():
-        cands = [flash(), flash_split(), flash_tma()]
+        cands = [flash(), flash_split()]
         if not attrs.get("causal"):
             cands.append(split_kv())
         for cand in cands:
@@ -551,71 +549,3 @@ def test_search_sdpa_on_cuda_validates_every_candidate(tmp_path):
         assert rep.decision in ("kernel", "eager")
 
 
-# --- flash_tma (tensor descriptors) --------------------------------------------------------------------------
-
-def _with_strides(spec, layouts):
-    """spec with its q, k, v in the given (B, H, S, D) strides."""
-    ts = tuple(type(t)(t.shape, t.dtype, st, t.device) for t, st in zip(spec.inputs, layouts, strict=True))
-    return type(spec)(spec.op, ts, spec.attrs)
-
-
-def _hf_strides(b, h, s, d):
-    """linear(x).view(B, S, H, D).transpose(1, 2): Hugging Face attention's q/k/v layout."""
-    return (s * h * d, d, h * d, 1)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_flash_tma_on_hugging_face_layouts(causal, tmp_path):
-    """q, k, v as transposed views of (B, S, H, D), GQA 4/2, tails in Sq and Skv: the descriptors take the
-    caller's strides, and each head's tail rows come back zero (not the next head's)."""
-    b, hq, hkv, sq, skv, d = 2, 4, 2, 21, 37, 16
-    spec = MOD.make_spec((b, hq, sq, skv, d), "float16", DEVICE, {"causal": causal, "kv_heads": hkv})
-    spec = _with_strides(spec, [_hf_strides(b, hq, sq, d), _hf_strides(b, hkv, skv, d), _hf_strides(b, hkv, skv, d)])
-    assert "flash_tma" in MOD.space(spec).variants
-    assert check_candidate(MOD, _module(spec, flash_tma(), tmp_path), spec, SEED, _sync) is None
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(b, sq, hq, d, generator=gen).to(torch.float16).to(DEVICE).transpose(1, 2)
-    k = torch.randn(b, skv, hkv, d, generator=gen).to(torch.float16).to(DEVICE).transpose(1, 2)
-    v = torch.randn(b, skv, hkv, d, generator=gen).to(torch.float16).to(DEVICE).transpose(1, 2)
-    o = torch.empty(b, hq, sq, d, dtype=torch.float16, device=DEVICE)
-    _module(spec, flash_tma(), tmp_path).launch(q, k, v, o, 1 / math.sqrt(d))
-    _sync()
-    rep = hq // hkv
-    ref = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(rep, 1),
-                                         v.double().repeat_interleave(rep, 1), is_causal=causal)
-    torch.testing.assert_close(o.double(), ref, atol=2e-3, rtol=2e-3)
-
-
-def test_flash_tma_wide_and_tall_tiles_and_a_padded_head_dim(tmp_path):
-    spec = MOD.make_spec((1, 2, 45, 70, 16), "float32", DEVICE, {"causal": True})
-    for cand in (flash_tma(16, 32), flash_tma(32, 16)):
-        assert check_candidate(MOD, _module(spec, cand, tmp_path), spec, SEED, _sync) is None, cand.label
-    spec = MOD.make_spec((1, 1, 5, 37, 40), "bfloat16", DEVICE, {"scale": 0.3})  # D 40 in a 64-wide tile
-    assert check_candidate(MOD, _module(spec, flash_tma(), tmp_path), spec, SEED, _sync) is None
-
-
-@pytest.mark.parametrize(("shape", "dtype", "layouts", "ok"), [
-    ((1, 2, 8, 8, 16), "bfloat16", None, True),
-    ((1, 2, 8, 8, 64), "float32", None, True),
-    ((1, 2, 8, 8, 20), "bfloat16", None, False),     # 40-byte rows
-    ((1, 2, 8, 8, 12), "float32", None, True),      # 48-byte rows
-    ((1, 2, 8, 8, 6), "float32", None, False),      # 24-byte rows
-    ((2, 4, 8, 8, 16), "float16", [(4 * 8 * 16, 16, 4 * 16, 1)] * 3, True),   # Hugging Face's layout
-    ((2, 4, 8, 8, 16), "float16", [(4 * 8 * 20, 8 * 20, 20, 1)] * 3, False),  # rows padded to 20 elements
-    ((1, 2, 8, 8, 16), "float16", [(2 * 8 * 16, 8 * 16, 1, 8)] * 3, False),   # D not contiguous
-])
-def test_flash_tma_only_where_tma_can_load(shape, dtype, layouts, ok):
-    for device in ("cuda", "cpu"):
-        spec = MOD.make_spec(shape, dtype, device)
-        if layouts:
-            spec = _with_strides(spec, layouts)
-        sp = MOD.space(spec)
-        assert ("flash_tma" in sp.variants) == ok
-        assert any(c.variant == "flash_tma" for c in sp.all_points()) == ok
-
-
-def test_validator_rejects_flash_tma_without_its_causal_mask(tmp_path):
-    spec = MOD.make_spec((1, 2, 33, 33, 16), "float32", DEVICE, {"causal": True})
-    module = _module(spec, flash_tma(), tmp_path, _replace_every(CAUSAL_MASK, ""))
-    reason = check_candidate(MOD, module, spec, SEED, _sync)
-    assert reason is not None and reason.startswith("normal inputs: "), reason
