@@ -111,31 +111,31 @@ def _other_order(w, n_dim: int | None = None, n_to: int | None = None):
 
 
 def _matmul_aligned(inputs, attrs):
-    """torch.matmul (cuBLAS) on copies of the operands whose rows are not 16-byte aligned, their rows padded to
-    _PAD_BYTES and K's padding zero; the output's first N columns copied out contiguous where N was padded.
-    Inductor's pad_mm does the same: on the H100, 8205x2949x5921 bf16 took 2144 µs in eager (cuBLAS's align-1
-    kernels), 476 µs under torch.compile, 640 µs in forge's padded tile loop
-    (bench/results/h100-peers-gemm-padded-bench-2026-12-06.json). A non-contiguous operand (a layout whose
-    stride is misaligned: kernels/matmul.py misaligned) is copied too; aligned contiguous ones are used as they
-    are."""
+    """torch.matmul (cuBLAS) on copies of the operands whose rows are not 16-byte aligned, as Inductor's pad_mm
+    makes them: K and N padded to 16 bytes with zeros (the GEMM's shape grows by less than 16 bytes a row), the
+    copies' storage rows to _PAD_BYTES, each copy one constant-pad kernel; the output's first N columns copied
+    out contiguous where N was padded. On the H100, 8205x2949x5921 bf16 took 2144 µs in eager (cuBLAS's
+    align-1 kernels) and 476 µs under torch.compile (bench/results/h100-peers-gemm-padded-bench-2026-12-06.json);
+    this call, when it padded K and N to 128 bytes (5952, 3008) with an empty buffer, a zero fill and a strided
+    copy per operand, 604 µs (h100-peers-tma-bench-2026-12-07.json), where Inductor's log of the same call showed
+    cuBLAS on mm(8208x5928, 5928x2952). A non-contiguous operand (a layout whose stride is misaligned:
+    kernels/matmul.py misaligned) is copied too; aligned contiguous ones are used as they are."""
     torch = _torch()
+    pad = torch.nn.functional.pad
     a, b = inputs
     k, n, e = a.shape[-1], b.shape[-1], a.element_size()
-    pad_k, pad_n = (k * e) % 16 != 0, (n * e) % 16 != 0
-    kp = _pad_to(k, e) if pad_k else k
-    if pad_k or not a.is_contiguous():
-        ap = a.new_empty((*a.shape[:-1], kp))
-        ap[..., k:].zero_()
-        ap[..., :k].copy_(a)
-        a = ap
-    if pad_k or pad_n or not b.is_contiguous():
-        np_ = _pad_to(n, e) if pad_n else n
-        bp = b.new_empty((*b.shape[:-2], kp, np_))  # columns past N: their products are never kept
-        bp[..., k:, :].zero_()
-        bp[..., :k, :n].copy_(b)
-        b = bp
+    per16 = max(1, 16 // e)
+    kp, np_ = -(-k // per16) * per16, -(-n // per16) * per16
+    if kp != k:  # A's K tail zero (B's rows past K are zero too: their products add nothing)
+        a = pad(a, (0, _pad_to(kp, e) - k))[..., :kp]
+    elif not a.is_contiguous():
+        a = a.contiguous()
+    if kp != k or np_ != n:  # B's columns past N are zero: the output's extra columns are never kept
+        b = pad(b, (0, _pad_to(np_, e) - n, 0, kp - k))[..., :np_]
+    elif not b.is_contiguous():
+        b = b.contiguous()
     out = torch.matmul(a, b)
-    return out[..., :n].contiguous() if pad_n else out
+    return out[..., :n].contiguous() if np_ != n else out
 
 
 def _matmul_misaligned(spec) -> bool:

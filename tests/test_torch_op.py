@@ -341,15 +341,29 @@ def test_matmul_torch_op_is_a_candidate_only_for_misaligned_rows():
     ((16, 32), (32, 16), torch.float32),       # aligned: torch.matmul itself
 ])
 def test_matmul_on_aligned_copies_equals_the_product(a_shape, b_shape, dtype, monkeypatch):
+    """What cuBLAS is handed: K and N padded to 16 bytes only (Inductor's pad_mm), zero tails, rows strided to a
+    multiple of 16 bytes (the copies' to 128), D contiguous; the result is the product, contiguous."""
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(a_shape, generator=gen).to(dtype), torch.randn(b_shape, generator=gen).to(dtype)
-    # stale memory in the copies' padding: the columns past N are never zeroed and must never matter
-    real_empty = torch.Tensor.new_empty
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *s, **k: real_empty(t, *s, **k).fill_(float("nan")))
+    seen = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda x, y: seen.append((x, y)) or real(x, y))
     f = fused.get("matmul", {})
     out = f.fn((a, b), {})
     assert out.shape == (*a_shape[:-1], b_shape[-1]) and out.dtype == dtype and out.is_contiguous()
     torch.testing.assert_close(out.double(), a.double() @ b.double(), atol=2e-2, rtol=2e-2)
+    (x, y), = seen
+    e, k, n = a.element_size(), a_shape[-1], b_shape[-1]
+    per16 = 16 // e
+    kp, np_ = -(-k // per16) * per16, -(-n // per16) * per16
+    assert x.shape[-1] == y.shape[-2] == kp and y.shape[-1] == np_
+    for t in (x, y):
+        assert t.stride(-1) == 1 and t.stride(-2) * e % 16 == 0
+    assert not x[..., k:].any() and not y[..., k:, :].any() and not y[..., n:].any()
+    if kp != k:
+        assert x.stride(-2) * e % 128 == 0  # the copy's storage rows, as Inductor strides them
+    else:
+        assert x is a  # aligned contiguous A is used as it is
 
 
 def test_matmul_on_aligned_copies_takes_misaligned_layouts():
