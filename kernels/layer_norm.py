@@ -143,10 +143,12 @@ default = opkit.row_default  # <= 16 elements per thread: inside space()
 
 
 # Where the row and multirow kernels load w and b: with x, before the reductions, only where the grid is one
-# wave (at most this many programs per SM). Measured on an H100 (budget-50 searches, bench/results/
-# h100-peers-rows-{b,d}-bench-2026-12-07.json, docs/notes.md stop 32): loaded early everywhere, the decode rows
-# ran 2.3/2.3/2.7 µs (1/4/16 x 4096 bf16) against 2.4/2.5/3.1 loaded after the reductions, but 8192x8192 fell
-# from 93.1 to 108.6 µs (w and b live through the reductions: more registers in a kernel of many waves).
+# wave (at most this many programs per SM). Measured on an H100 in two runs on one machine, not side by side
+# (budget-50 searches, bench/results/h100-peers-rows-{b,d}-bench-2026-12-07.json, docs/notes.md stop 32): loaded
+# early everywhere, the decode rows ran 2.3/2.3/2.7 µs (1/4/16 x 4096 bf16, 0.93-0.96x Liger in that run)
+# against 2.4/2.5/3.1 loaded after the reductions (1.02-1.14x Liger in its run; Liger itself moved 10% between
+# the runs), but 8192x8192 fell from 93.1 to 108.6 µs (1.17x torch.compile): w and b live through the
+# reductions cost registers in a kernel of many waves. The combination is not yet measured.
 EARLY_WB_MAX_WAVES = 1
 
 
