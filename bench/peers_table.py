@@ -138,8 +138,14 @@ def table(paths: list[Path]) -> str:
                      f"triton {env['triton']}, {d['date']}, commit {d.get('commit', '?')}; `{d['command']}`; "
                      "p50 µs of CUDA-graph replays, "
                      f"{d['rounds']} interleaved rounds, L2 cold; copy bandwidth {copy:.2f} TB/s (same run).")
+        # A target the run did not measure (no cached decision: its search was cut by the time budget) is no
+        # row: it must not supersede an earlier run's measurement of the same row.
+        unmeasured = [t for t in d["targets"] if not t["contestants"]]
+        if unmeasured:
+            lines[-1] += (" Not measured in this run (no contestant timed): "
+                          + "; ".join(f"{t['op']} {t['shape']} {t['dtype']}" for t in unmeasured) + ".")
         lines.append("")
-        rows_all += [(row(t, copy), t, i) for t in d["targets"]]
+        rows_all += [(row(t, copy), t, i) for t in d["targets"] if t["contestants"]]
     last = {_row_key(t): i for _, t, i in rows_all}
     lines.pop()
     lines += ["", "| op, shape (bf16 unless said) | " + " | ".join(SHORT.get(n, n) for n in NAMES)

@@ -149,6 +149,24 @@ def test_a_row_measured_again_in_a_later_file_is_superseded(tmp_path):
     assert pt.readme_block(readme) == (["a.json", "b.json"], text)
 
 
+def test_a_row_a_later_run_did_not_measure_keeps_its_earlier_verdict(tmp_path):
+    """A target the later run has no contestant for (its search was cut: no cached decision) is no row there:
+    the earlier run's measurement stays the verdict, and the later run's header names what it left out."""
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(_doc([
+        _target("rope", "4x32x2048x128", contestants=[_c("forge", 40.0), _c("compile", 46.0)]),
+    ])))
+    missing = {**_target("rope", "4x32x2048x128"), "stored": None, "error": "no cached decision"}
+    second.write_text(json.dumps(_doc([
+        missing, _target("softmax", "1x32000", contestants=[_c("forge", 3.0), _c("liger", 5.0)]),
+    ])))
+    text = pt.table([first, second])
+    assert "| rope 4x32x2048x128 (run a) | 40.0 |" in text and "superseded" not in text
+    assert "(run b)" in text and "rope 4x32x2048x128 (run b)" not in text
+    assert "Not measured in this run (no contestant timed): rope 4x32x2048x128 bfloat16." in text
+    assert "2 of 2 rows meet their target." in text
+
+
 def test_the_readme_block_is_what_the_committed_results_make():
     """README's issue-16 table is generated: regenerating it from the files it names gives the same text."""
     files, block = pt.readme_block(ROOT / "README.md")
