@@ -2,9 +2,10 @@
 
 Usage (on the GPU machine, from the repo root; liger-kernel optional):
     PYTHONPATH=. python3 bench/models.py --out DIR [--models llama,gpt2,decode,block] [--budget 20]
-        [--modes eager,forge,compile,max-autotune,liger,forge-cudagraphs,compile-cudagraphs,forge-inductor] [--cache DB]
-        [--no-tune]
-(forge-cudagraphs: the forge backend with cudagraphs=True; compile-cudagraphs: torch.compile's
+        [--modes eager,forge,compile,max-autotune,liger,forge-cudagraphs,forge-auto,compile-cudagraphs,forge-inductor]
+        [--cache DB] [--no-tune]
+(forge-cudagraphs: the forge backend with cudagraphs=True; forge-auto: with cudagraphs="auto", a graph kept only
+where its replays were measured faster, decided before the timed rounds; compile-cudagraphs: torch.compile's
 mode="reduce-overhead", its own CUDA graphs; forge-inductor: the forge backend with rest="inductor")
 
 Models (random weights from configs, bf16, torch.no_grad()):
@@ -164,13 +165,14 @@ def contestant(mode: str, name: str, cache: Path):
     model = build(name)[0]
     if mode == "eager":
         return model, None
-    if mode in ("forge", "forge-cudagraphs", "forge-profiled", "forge-inductor"):
+    if mode in ("forge", "forge-cudagraphs", "forge-auto", "forge-profiled", "forge-inductor"):
         from forge.backend import Backend
 
         # forge-inductor: rest="inductor", everything outside forge's regions compiled by Inductor (forge's
         # kernels as the opaque custom op forge::region): the glue (views, residual adds, embeddings) fused
         # and launched from Inductor's wrapper instead of one Python-dispatched eager op each
-        be = Backend(miss="eager", cache=cache, cudagraphs=mode == "forge-cudagraphs",
+        graphs = {"forge-cudagraphs": True, "forge-auto": "auto"}.get(mode, False)
+        be = Backend(miss="eager", cache=cache, cudagraphs=graphs,
                      profile_regions=mode == "forge-profiled", rest="inductor" if mode == "forge-inductor" else "eager")
         return torch.compile(model, backend=be, dynamic=False), be
     if mode == "compile":
@@ -364,6 +366,11 @@ def run_model(name: str, modes: list[str], cache: Path, work: Path, args) -> dic
             first[mode] = round(time.perf_counter() - t0, 2)
             with torch.no_grad():
                 outs[mode] = step(fn, make_args()).float()
+                if mode == "forge-auto":  # the graphs' keep-or-release calls, before the timed rounds
+                    from forge.cudagraph import AUTO_SAMPLES
+
+                    for _ in range(2 * AUTO_SAMPLES + 2):
+                        step(fn, make_args())
         except Exception as exc:  # noqa: BLE001 - a contestant that cannot run is reported, the rest go on
             errors[mode] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
             print(json.dumps({"model": name, "mode": mode, "error": errors[mode]}), flush=True)

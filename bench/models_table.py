@@ -35,19 +35,23 @@ def table(path: Path) -> str:
     # runs with the CUDA-graph contestants (forge's cudagraphs=True, torch.compile's reduce-overhead) get two
     # more columns
     graphs = any(m in r.get("contestants", {}) for r in d["rows"] for m in ("forge-cudagraphs", "compile-cudagraphs"))
+    # and runs with Backend(cudagraphs="auto") (forge-auto) one more
+    auto = any("forge-auto" in r.get("contestants", {}) for r in d["rows"])
     # and runs with Backend(rest="inductor") (forge-inductor) one more
     ind = any("forge-inductor" in r.get("contestants", {}) for r in d["rows"])
     lines = [f"`{path.name}` — {d['gpu']}, driver {d['driver']}, torch {d['torch']}, triton {d['triton']}, "
              f"transformers {d['transformers']}, {d['date']}; `{d['command']}`; {d['timing']}.", "",
              "| model | eager ms | forge ms (x eager) | torch.compile ms (x) | max-autotune ms (x) | Liger ms (x) "
              + ("| forge + CUDA graphs ms (x) | compile reduce-overhead ms (x) " if graphs else "")
+             + ("| forge, cudagraphs=\"auto\" ms (x) " if auto else "")
              + ("| forge, rest=\"inductor\" ms (x) " if ind else "")
              +
              "| forge device time vs eager "
              "| device time in forge kernels (in regions forge decided kernel or torch op; in every region forge "
              "decided, eager included) "
              "| forge kernels / regions | first call s: forge / compile / max-autotune |",
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if graphs else "") + ("---|" if ind else "")]
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if graphs else "") + ("---|" if auto else "")
+             + ("---|" if ind else "")]
     for r in d["rows"]:
         cs = r.get("contestants", {})
         if not cs:
@@ -73,6 +77,8 @@ def table(path: Path) -> str:
         extra = ""
         if graphs:
             extra = " | ".join(_c(cs.get(m)) for m in ("forge-cudagraphs", "compile-cudagraphs")) + " | "
+        if auto:
+            extra += _c(cs.get("forge-auto")) + " | "
         if ind:
             extra += _c(cs.get("forge-inductor")) + " | "
         lines.append(f"| {r.get('label', r['model'])} | {e.get('ms_per_forward', 0):.2f} | {_c(f)} | {peers} "

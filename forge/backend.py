@@ -70,7 +70,7 @@ class ModelExplanation:
     regions: tuple[RegionExplanation, ...]
     unmatched: tuple[tuple[int, str, str, str], ...]  # (graph, node, call, why)
     graphs: int
-    cudagraphs: tuple[tuple[int, str], ...] = ()  # (graph, what its CUDA graph did), with cudagraphs=True
+    cudagraphs: tuple[tuple[int, str], ...] = ()  # (graph, what its CUDA graph did), with cudagraphs on
 
     @property
     def kernels(self) -> int:
@@ -120,12 +120,13 @@ class Backend:
 
     def __init__(self, *, miss: str = "search", rest: str = "eager", manifest: str | os.PathLike | None = None,
                  budget: int = 50, cache: str | os.PathLike | None = None, interpreter: bool | None = None,
-                 cudagraphs: bool = False, profile_regions: bool = False):
+                 cudagraphs: bool | str = False, profile_regions: bool = False):
         self.miss = _check("miss", miss, MISS)
         self.rest = _check("rest", rest, REST)
-        if not isinstance(cudagraphs, bool):
-            raise UsageError(f"forge backend: cudagraphs={cudagraphs!r}: expected True or False")
-        # each CUDA graph of the backend replays whole (forge/cudagraph.py): one launch per call
+        if not (isinstance(cudagraphs, bool) or cudagraphs == "auto"):
+            raise UsageError(f"forge backend: cudagraphs={cudagraphs!r}: expected True, False or 'auto'")
+        # each CUDA graph of the backend replays whole (forge/cudagraph.py): one launch per call; "auto": only
+        # where its own replays are measured faster than its calls as captured
         self.cudagraphs = cudagraphs
         self.graphed: list[tuple[int, Any]] = []  # (graph index, its forge.cudagraph.GraphedRun)
         if not isinstance(profile_regions, bool):
@@ -239,7 +240,7 @@ class Backend:
             from forge.cudagraph import GraphedRun, mutated_inputs
 
             index_of = next((t.get_device() for t in tensors if t.is_cuda), 0)
-            graphed = GraphedRun(run, mutated_inputs(gm), index_of, first_args=args)
+            graphed = GraphedRun(run, mutated_inputs(gm), index_of, first_args=args, auto=self.cudagraphs == "auto")
             with self._lock:
                 self.graphed.append((index, graphed))
             run = graphed

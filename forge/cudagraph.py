@@ -19,12 +19,29 @@ The rule (GraphedRun):
   inside: the graph then runs as it did before).
 - Outputs are copied out of the graph's static buffers (clone_outputs, the default): a replay overwrites
   them, and a caller holding the previous call's logits must not see them change.
+
+`Backend(cudagraphs="auto")` (GraphedRun(auto=True)) keeps a graph only where it measurably pays. A replay
+saves the host's dispatch but adds the copies of the moving inputs and of the outputs (GPT-2's 412 MB of
+logits: about 0.27 ms on an H100) and holds the graph's memory pool for good. So the graph's own calls
+decide: AUTO_SAMPLES calls run as captured, each timed from an idle GPU to its end (host dispatch and device
+time together: what the call costs its caller), then the graph is captured and AUTO_SAMPLES replays (copies
+included) are timed the same way. The graph is kept only if the best replay beats the best run by
+AUTO_MARGIN and its capture grew the reserved CUDA memory by at most AUTO_MAX_POOL_SHARE of the device's;
+otherwise it is released and every later call runs as captured (the reason is kept, with both times).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
+
+# cudagraphs="auto": calls timed on each side (the best counts: a single synchronised call's latency moves by a
+# few percent between calls), the lead a replay needs (forge's own decision margin, p80 < p20 / 1.03, as a
+# ratio of bests), and the memory a kept graph may hold (its capture's growth of the reserved CUDA memory).
+AUTO_SAMPLES = 3
+AUTO_MARGIN = 0.97
+AUTO_MAX_POOL_SHARE = 0.10
 
 # fx targets that write into their first argument (or, for setitem, into the indexed tensor): names with a
 # trailing underscore (add_, copy_, index_copy_), setitem and the augmented assignments (x += y on a tensor)
@@ -83,15 +100,44 @@ def _torch_capture(fn: Callable, args: list, device_index: int):
     return graph.replay, out
 
 
+def _cuda_latency(thunk: Callable, device_index: int) -> tuple[Any, float]:
+    """(thunk(), seconds from an idle GPU to the end of the work it queued): a call's latency to its caller,
+    host dispatch and device time together."""
+    import torch
+
+    torch.cuda.synchronize(device_index)
+    t0 = time.perf_counter()
+    out = thunk()
+    torch.cuda.synchronize(device_index)
+    return out, time.perf_counter() - t0
+
+
+def _cuda_reserved(device_index: int) -> tuple[int, int]:
+    """(bytes the caching allocator holds on the device, the device's total memory)."""
+    import torch
+
+    return torch.cuda.memory_reserved(device_index), torch.cuda.get_device_properties(device_index).total_memory
+
+
 class GraphedRun:
     """`run` (a captured graph's forward) replayed from a CUDA graph from its third call on; see the module
     docstring. `capture(fn, args, device_index) -> (replay, outputs)` is swappable (tests use a fake)."""
 
     def __init__(self, run: Callable, mutated: set[int], device_index: int = 0, clone_outputs: bool = True,
-                 capture: Callable = _torch_capture, first_args: tuple | None = None, require_cuda: bool = True):
+                 capture: Callable = _torch_capture, first_args: tuple | None = None, require_cuda: bool = True,
+                 auto: bool = False, latency: Callable | None = None, reserved: Callable | None = None):
         self.run, self.mutated, self.device_index = run, frozenset(mutated), device_index
         self.require_cuda = require_cuda  # False only with a capture that is not CUDA's (tests' fake)
         self.clone_outputs, self._capture = clone_outputs, capture
+        # auto: keep the graph only where its replays are measured faster (module docstring). latency(thunk)
+        # -> (result, seconds) and reserved() -> (bytes held, device bytes) are swappable for tests.
+        self.auto = auto
+        self._latency = latency or (lambda thunk: _cuda_latency(thunk, device_index))
+        self._reserved = reserved or (lambda: _cuda_reserved(device_index))
+        self.run_s: list[float] = []  # auto: the timed calls as captured (seconds each)
+        self.replay_s: list[float] = []  # auto: the timed replays, copies included
+        self.verdict: str | None = None  # auto: why the graph was kept (a dropped one's reason is self.reason)
+        self._ever_moved: set[int] = set()  # auto: inputs whose storage moved during the timed calls
         self.reason: str | None = None  # why this graph is never replayed
         if self.mutated:
             self.reason = (f"the graph writes in place into its input(s) {sorted(self.mutated)} (a warm-up or "
@@ -122,15 +168,45 @@ class GraphedRun:
                 self.moved += 1  # an input read in place moved (or a value changed): capture again next call
                 self._replay, self._first = None, [self._where(a) for a in args]
                 return self.run(*args)
-            for i in self._moving:
-                self._static[i].copy_(args[i])
-            self._replay()
-            self.replays += 1
-            return self._outputs()
+            if self.auto and self.verdict is None:
+                out, seconds = self._latency(lambda: self._replayed(args))
+                self.replay_s.append(seconds)
+                if len(self.replay_s) >= AUTO_SAMPLES:
+                    self._decide()
+                return out
+            return self._replayed(args)
         if self._first is None:
             self._first = self._check_first(args)
             return self.run(*args)
+        if self.auto and self.verdict is None and len(self.run_s) < AUTO_SAMPLES:
+            now = [self._where(a) for a in args]
+            self._ever_moved |= {i for i, w in enumerate(now) if w != self._first[i]}
+            out, seconds = self._latency(lambda: self.run(*args))
+            self.run_s.append(seconds)
+            return out
         return self._capture_now(args)
+
+    def _replayed(self, args: tuple):
+        for i in self._moving:
+            self._static[i].copy_(args[i])
+        self._replay()
+        self.replays += 1
+        return self._outputs()
+
+    def _decide(self) -> None:
+        """auto: keep the graph or release it, from the timed calls (module docstring)."""
+        best_run, best_replay = min(self.run_s), min(self.replay_s)
+        times = (f"best replay {best_replay * 1e3:.3f} ms per call, best run as captured {best_run * 1e3:.3f} ms "
+                 f"(of {len(self.replay_s)} and {len(self.run_s)}, each from an idle GPU)")
+        if best_replay <= AUTO_MARGIN * best_run:
+            self.verdict = f"auto: kept, {times}"
+            return
+        self.reason = f"auto: released, not {1 / AUTO_MARGIN:.2f}x faster: {times}"
+        self._release()
+
+    def _release(self) -> None:
+        """Drop the graph and what it holds (its pool goes back to the allocator with the last reference)."""
+        self._replay, self._static, self._out, self._moving, self._pinned, self._values = None, [], None, [], [], []
 
     def _check_first(self, args) -> list | None:
         import torch
@@ -145,7 +221,7 @@ class GraphedRun:
 
         now = [self._where(a) for a in args]
         tensor = [isinstance(a, torch.Tensor) for a in args]
-        moving = [i for i, a in enumerate(args) if tensor[i] and now[i] != self._first[i]]
+        moving = [i for i, a in enumerate(args) if tensor[i] and (now[i] != self._first[i] or i in self._ever_moved)]
         static = []
         for i, a in enumerate(args):
             if i in moving:
@@ -154,6 +230,7 @@ class GraphedRun:
                 static.append(s)
             else:
                 static.append(a)
+        held = self._reserved()[0] if self.auto else 0
         try:
             replay, out = self._capture(self.run, static, self.device_index)
         except RuntimeError as exc:  # CPU work, a host sync or an uncapturable op inside the graph
@@ -165,6 +242,13 @@ class GraphedRun:
         self._replay, self._static, self._moving, self._out = replay, static, moving, out
         self._pinned = [(i, args[i].data_ptr()) for i in range(len(args)) if tensor[i] and i not in moving]
         self._values = [(i, a) for i, a in enumerate(args) if not tensor[i]]
+        if self.auto and self.verdict is None:
+            after, total = self._reserved()
+            if after - held > AUTO_MAX_POOL_SHARE * total:
+                self.reason = (f"auto: released, its capture holds {(after - held) / 2**20:.0f} MiB, more than "
+                               f"{AUTO_MAX_POOL_SHARE:.0%} of the device's memory")
+                self._release()
+                return self.run(*args)
         # a capture records the launches without running them: replay once for this call's outputs
         replay()
         self.replays += 1
@@ -183,4 +267,5 @@ class GraphedRun:
         if self.reason is not None:
             return f"not replayed: {self.reason}"
         return (f"{self.captures} capture(s), {self.replays} replay(s) of {self.calls} call(s)"
-                + (f", {self.moved} run without it (an input read in place moved)" if self.moved else ""))
+                + (f", {self.moved} run without it (an input read in place moved)" if self.moved else "")
+                + (f"; {self.verdict}" if self.verdict else ""))

@@ -106,6 +106,102 @@ def test_cpu_inputs_are_never_captured_with_the_real_capture():
     assert torch.equal(run(*a)[0], model(*a)[0]) and run.describe() == "not replayed: a CPU tensor input"
 
 
+class FakeClock:
+    """latency(thunk) for GraphedRun(auto=True): runs the thunk and reports the next scripted seconds, for a
+    replay where the thunk replayed the fake graph (capture() wraps its replay to say so), else for a call as
+    captured."""
+
+    def __init__(self, run_s, replay_s):
+        self.run_s, self.replay_s = list(run_s), list(replay_s)
+        self.in_replay = False
+
+    def capture(self, fn, args, device_index):
+        replay, out = fake_capture(fn, args, device_index)
+
+        def flagged():
+            self.in_replay = True
+            replay()
+        return flagged, out
+
+    def __call__(self, thunk):
+        self.in_replay = False
+        out = thunk()
+        return out, (self.replay_s if self.in_replay else self.run_s).pop(0)
+
+
+def auto_run(clock, w, b, held=(0, 100), reserved=None):
+    seq = iter([held, *([(held[0] + 1, held[1])] * 99)]) if reserved is None else iter(reserved)
+    return GraphedRun(model, set(), capture=clock.capture, first_args=_args(0, w, b), require_cuda=False,
+                      auto=True, latency=clock, reserved=lambda: next(seq))
+
+
+def test_auto_times_the_calls_then_the_replays_and_keeps_a_graph_that_pays():
+    from forge import cudagraph as cg
+
+    w, b = torch.randn(8, 3), torch.randn(3)
+    n = cg.AUTO_SAMPLES
+    clock = FakeClock(run_s=[2.5e-3, 2.4e-3, 2.6e-3][:n], replay_s=[1.9e-3, 1.8e-3, 2.0e-3][:n])
+    run = auto_run(clock, w, b)
+    for seed in range(1, 2 * n + 4):
+        a = _args(seed, w, b)
+        assert all(torch.equal(g, e) for g, e in zip(run(*a), model(*a), strict=True)), seed
+    # the graph's calls 2..n+1 (seeds 1..n) ran as captured and timed, the next captured and replayed once
+    # (untimed), the n after it were timed replays, then the verdict: every later call replays
+    assert run.captures == 1 and len(run.run_s) == n and len(run.replay_s) == n and run.reason is None
+    assert run.replays == (2 * n + 3) - n and not clock.run_s and not clock.replay_s
+    assert "auto: kept, best replay 1.800 ms per call, best run as captured 2.400 ms" in run.describe()
+
+
+def test_auto_releases_a_graph_whose_replays_are_not_faster_and_runs_as_captured_after():
+    from forge import cudagraph as cg
+
+    w, b = torch.randn(8, 3), torch.randn(3)
+    n = cg.AUTO_SAMPLES
+    # best replay 1.96 ms against best run 2.00: 0.98x, inside the 0.97 margin: not worth the graph
+    clock = FakeClock(run_s=[2.0e-3] * n, replay_s=[1.96e-3] * n)
+    run = auto_run(clock, w, b)
+    for seed in range(1, 2 * n + 6):
+        a = _args(seed, w, b)
+        assert all(torch.equal(g, e) for g, e in zip(run(*a), model(*a), strict=True)), seed
+    # the capture's own replay and the n timed ones; none after the verdict
+    assert run.captures == 1 and run.replays == n + 1 and run._replay is None and run._static == []
+    assert run.describe().startswith("not replayed: auto: released, not 1.03x faster: best replay 1.960 ms")
+
+
+def test_auto_releases_a_graph_whose_pool_is_too_large():
+    from forge import cudagraph as cg
+
+    w, b = torch.randn(8, 3), torch.randn(3)
+    clock = FakeClock(run_s=[5e-3] * cg.AUTO_SAMPLES, replay_s=[])
+    total = 1000 * 2**20
+    grown = int(cg.AUTO_MAX_POOL_SHARE * total) + 2**20  # just over the share
+    run = auto_run(clock, w, b, reserved=[(0, total), (grown, total)])
+    for seed in range(1, cg.AUTO_SAMPLES + 4):
+        a = _args(seed, w, b)
+        assert torch.equal(run(*a)[0], model(*a)[0]), seed
+    assert run.captures == 1 and run.replays == 0 and run._replay is None
+    assert "auto: released, its capture holds 101 MiB, more than 10% of the device's memory" in run.describe()
+
+
+def test_auto_copies_an_input_that_moved_during_the_timed_calls():
+    """An input that moved on a timed call and came back by the capture is still copied on every replay."""
+    from forge import cudagraph as cg
+
+    w, b = torch.randn(8, 3), torch.randn(3)
+    n = cg.AUTO_SAMPLES
+    clock = FakeClock(run_s=[2e-3] * n, replay_s=[1e-3] * n)
+    run = auto_run(clock, w, b)
+    w2 = w.clone()
+    run(*_args(1, w2, b))  # w moved on the first timed call
+    for seed in range(2, 2 * n + 3):
+        a = _args(seed, w, b)
+        assert torch.equal(run(*a)[0], model(*a)[0]), seed
+    assert run.captures == 1 and 1 in run._moving
+    w.add_(1.0)  # copied, not read in place: the replay sees the new values through the copy
+    a = _args(50, w, b)
+    assert torch.equal(run(*a)[0], model(*a)[0])
+
+
 def test_mutated_inputs_finds_writes_through_views_setitem_and_out():
     def f(x, y, z, u, v, t):
         x.add_(1)
@@ -136,6 +232,7 @@ def test_mutated_inputs_finds_writes_through_views_setitem_and_out():
 def test_backend_option_is_checked_and_cpu_graphs_are_left_alone():
     with pytest.raises(UsageError, match="cudagraphs"):
         fb.Backend(cudagraphs="yes")
+    assert fb.Backend(cudagraphs="auto").cudagraphs == "auto"
     be = fb.Backend(miss="eager", cudagraphs=True)
     torch._dynamo.reset()
     try:

@@ -259,6 +259,43 @@ def test_shim_module_and_load_on_cuda(tuned_rmsnorm):
     assert torch.equal(f(xt, w), _rms(xt, w))
 
 
+def test_backend_cudagraphs_auto_keeps_a_host_bound_graph_and_releases_a_device_bound_one():
+    """Backend(cudagraphs="auto") on real CUDA: 300 tiny ops (host-bound: the replay is far faster) keep their
+    graph; one 8192^3 GEMM whose output (256 MB) the replay must copy out does not pay and is released. Values
+    are eager's on every call either way."""
+    import torch
+
+    from forge import cudagraph as cg
+    from forge.backend import Backend
+
+    def tiny(x):
+        for i in range(300):
+            x = x * 1.0001 + i * 1e-6
+        return x
+
+    def big(a, b):
+        return a @ b
+
+    for fn, make, kept in ((tiny, lambda: (torch.randn(64, device="cuda"),), True),
+                           (big, lambda: (torch.randn(8192, 8192, device="cuda"),
+                                          torch.randn(8192, 8192, device="cuda")), False)):
+        be = Backend(miss="eager", cudagraphs="auto", cache=_default_db())
+        torch._dynamo.reset()
+        try:
+            f = torch.compile(fn, backend=be, dynamic=False)
+            for _ in range(2 * cg.AUTO_SAMPLES + 4):
+                args = make()
+                torch.testing.assert_close(f(*args), fn(*args), rtol=1e-4, atol=1e-3)
+            (graphed,) = [g for _, g in be.graphed]
+            assert len(graphed.run_s) == cg.AUTO_SAMPLES and len(graphed.replay_s) == cg.AUTO_SAMPLES
+            if kept:
+                assert graphed.reason is None and "auto: kept" in graphed.describe(), graphed.describe()
+            else:
+                assert "auto: released" in graphed.describe(), graphed.describe()
+        finally:
+            torch._dynamo.reset()
+
+
 def test_backend_cudagraphs_replays_the_whole_graph_with_a_forge_kernel_inside(tuned_rmsnorm):
     """Backend(cudagraphs=True): the graph with forge's rmsnorm kernel in it captured once and replayed; the
     values are eager's on new inputs, earlier outputs are not overwritten, a moved weight runs without the
