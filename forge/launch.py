@@ -16,7 +16,11 @@ Recording is self-checking, so a Triton version that launches differently is det
      (grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook,
      exit_hook, *kernel_args) with `function`/`packed_metadata` those of the kernel, no launch hooks
      active (None or an empty HookChain), and every tensor argument identical (by data pointer) to
-     exactly one of the op's inputs or its output; other arguments must be plain scalars.
+     exactly one of the op's inputs or its output; other arguments must be plain scalars or Triton's
+     host-side TensorDescriptors whose base is (by data pointer) one of those tensors: a replay passes a
+     copy of the recorded descriptor around the new tensor (its shape, strides and block shape are the
+     signature's; the launcher's wrapper encodes the TMA descriptor from it on every call, as on the JIT
+     path). GPT-2's lm_head (kernels/linear.py's persistent variant) launched through the JIT before.
   3. The replayed launches must reproduce the JIT path's output bit for bit on the same inputs (the
      direct C launch first, the launcher objects if that fails).
 Anything else: no plan, and the binding keeps using the JIT path (`forge.explain(...).launch` says why).
@@ -58,6 +62,30 @@ class _Launch:
     args: list  # kernel arguments, tensors replaced by None
     slots: tuple[tuple[int, int], ...]  # (argument position, index into inputs + (out,))
     kernel: Any = None  # the CompiledKernel itself (for diagnostics and bench/latency.py's probes)
+    # (argument position, index into inputs + (out,), a function making the descriptor around that tensor)
+    descs: tuple[tuple[int, int, Any], ...] = ()
+
+
+def _is_descriptor(v) -> bool:
+    """Triton's host-side TensorDescriptor (triton.tools.tensor_descriptor), by its shape: the class name, a
+    tensor base and the fields its launcher wrapper reads."""
+    return (type(v).__name__ == "TensorDescriptor" and hasattr(v, "__dict__") and hasattr(v, "base")
+            and hasattr(v.base, "data_ptr") and all(hasattr(v, f) for f in ("shape", "strides", "block_shape")))
+
+
+def _rebased(template) -> Any:
+    """A function base -> a copy of the descriptor `template` with that base. The dataclass's __init__ (its
+    alignment and shape asserts) is skipped: the call signature the plan serves fixes the shapes, strides,
+    dtype and 16-byte alignment the recorded descriptor passed them for. The template keeps no reference to
+    the recording's tensor."""
+    cls, fields = type(template), {k: v for k, v in vars(template).items() if k != "base"}
+
+    def rebased(base):
+        d = object.__new__(cls)
+        d.__dict__.update(fields)
+        d.base = base
+        return d
+    return rebased
 
 
 # Triton's launcher object (CudaLauncher) is a Python wrapper: its __call__ allocates scratch memory
@@ -136,10 +164,14 @@ def _compile_fire(launches: list[_Launch], direct: bool):
         via.add("C launch function" if fn is not ln.launcher else "launcher object")
         env[f"f{i}"], env[f"m{i}"] = fn, mid
         slot_of = dict(ln.slots)
+        desc_of = {pos: (idx, make) for pos, idx, make in ln.descs}
         kargs = []
         for pos, v in enumerate(ln.args):
             if pos in slot_of:
                 kargs.append(f"t[{slot_of[pos]}].data_ptr()")
+            elif pos in desc_of:
+                env[f"d{i}_{pos}"] = desc_of[pos][1]
+                kargs.append(f"d{i}_{pos}(t[{desc_of[pos][0]}])")
             else:
                 env[f"a{i}_{pos}"] = v
                 kargs.append(f"a{i}_{pos}")
@@ -253,7 +285,7 @@ def check_call(ck, launcher, a: tuple, pool: tuple, stream_now: int) -> _Launch:
     ptrs = [t.data_ptr() for t in pool]
     if len(set(ptrs)) != len(ptrs):
         raise Refused("inputs/output share memory, tensor arguments cannot be told apart")
-    args, slots = [], []
+    args, slots, descs = [], [], []
     for pos, v in enumerate(a[_N_FIXED:]):
         if hasattr(v, "data_ptr"):
             p = v.data_ptr()
@@ -263,9 +295,17 @@ def check_call(ck, launcher, a: tuple, pool: tuple, stream_now: int) -> _Launch:
             args.append(None)
         elif isinstance(v, _SCALARS):
             args.append(v)
+        elif _is_descriptor(v):
+            p = v.base.data_ptr()
+            if p not in ptrs:
+                raise Refused(f"kernel argument {pos} is a tensor descriptor over a tensor that is neither an "
+                              "input nor the output")
+            descs.append((pos, ptrs.index(p), _rebased(v)))
+            args.append(None)
         else:
-            raise Refused(f"kernel argument {pos} is a {type(v).__name__}, not a tensor or a scalar")
-    return _Launch(launcher, (gx, gy, gz), function, packed, args, tuple(slots), ck)
+            raise Refused(f"kernel argument {pos} is a {type(v).__name__}, not a tensor, a tensor descriptor "
+                          "or a scalar")
+    return _Launch(launcher, (gx, gy, gz), function, packed, args, tuple(slots), ck, tuple(descs))
 
 
 def same_bits(a, b) -> bool:

@@ -259,6 +259,36 @@ def test_shim_module_and_load_on_cuda(tuned_rmsnorm):
     assert torch.equal(f(xt, w), _rms(xt, w))
 
 
+def test_a_tensor_descriptor_kernel_gets_the_compiled_launch_plan(tmp_path):
+    """linear's persistent variant (host-side TensorDescriptors; GPT-2's lm_head with an odd N) bound as the shim
+    binds a cached kernel: after its first (JIT) call the launch plan is recorded and proved, later calls go
+    through it (not the JIT) with the same bits as the JIT path on new inputs."""
+    import torch
+
+    from forge import codegen, opkit, ops, shim
+    from forge.loader import load_module, write_source
+
+    if not opkit.tma_available():
+        pytest.skip("no TMA on this GPU / triton")
+    op = ops.get("linear")
+    spec = op.module.make_spec((2, 1024, 4001, 512), "bfloat16", "cuda", {"weight": "nk"})
+    cand = op.module.default(spec)  # an odd N (4001): the persistent variant, as for GPT-2's lm_head
+    assert cand.variant == "persistent", cand
+    module = load_module(write_source(codegen.render(op, spec, cand), tmp_path))
+    binding = shim._Binding(op.module, module, spec, [0, 1], (None, None), spec.attrs, device_index=0)
+    x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4001, 512, device="cuda", dtype=torch.bfloat16)
+    first = binding([x, w])
+    assert binding.launch is not None and binding.launch.startswith("compiled"), binding.launch
+    torch.testing.assert_close(first.float(), x.float() @ w.float().t(), rtol=2e-2, atol=5e-1)
+    x2 = torch.randn_like(x)
+    planned = binding([x2, w])
+    plan, binding.plan = binding.plan, None
+    jit = binding([x2, w])
+    binding.plan = plan
+    assert launch.same_bits(planned, jit) and planned.data_ptr() != jit.data_ptr()
+
+
 def test_backend_cudagraphs_auto_keeps_a_host_bound_graph_and_releases_a_device_bound_one():
     """Backend(cudagraphs="auto") on real CUDA: 300 tiny ops (host-bound: the replay is far faster) keep their
     graph; one 8192^3 GEMM whose output (256 MB) the replay must copy out does not pay and is released. Values

@@ -48,7 +48,7 @@ def test_check_call_maps_tensor_arguments_to_inputs_and_output():
     (lambda ck, a: (*a[:3], 99, *a[4:]), "not the current stream"),
     (lambda ck, a: (*a[:7], print, *a[8:]), "launch hooks"),
     (lambda ck, a: (*a[:9], torch.empty(3), *a[10:]), "neither an input nor the output"),
-    (lambda ck, a: (*a[:9], [1, 2], *a[10:]), "not a tensor or a scalar"),
+    (lambda ck, a: (*a[:9], [1, 2], *a[10:]), "not a tensor, a tensor descriptor or a scalar"),
     (lambda ck, a: (2.5, *a[1:]), "grid is not three ints"),
 ])
 def test_check_call_refuses_what_it_cannot_replay(mutate, needle):
@@ -80,6 +80,52 @@ def test_plan_replays_with_new_tensors_on_the_current_stream():
     # pointers go as ints (the C launcher then skips data_ptr() and cuPointerGetAttribute)
     assert a[9:] == (x2.data_ptr(), w2.data_ptr(), out2.data_ptr(), 8)
     assert plan.via == "launcher object"
+
+
+def test_tensor_descriptor_arguments_are_replayed_around_the_new_tensors():
+    """A host-side TensorDescriptor (the persistent GEMM variants') over an input or the output is recorded as a
+    slot; a replay passes a copy of it around the new call's tensor, every other field as recorded, and the
+    plan keeps no reference to the recording's tensors."""
+    import gc
+    import weakref
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x, w, out = torch.randn(2, 16, 32), torch.randn(64, 32), torch.empty(2, 16, 64)
+    ck = FakeCK()
+    xd = TensorDescriptor(x, [32, 32], [32, 1], [16, 16])  # x's rows as one (M, K) matrix, as linear's launch()
+    od = TensorDescriptor(out, [32, 64], [64, 1], [16, 32], padding="nan")
+    rec = launch.check_call(ck, "L", _call(ck, 7, xd, w, od, 32), (x, w, out), 7)
+    assert rec.args == [None, None, None, 32] and rec.slots == ((1, 1),)
+    assert [(pos, idx) for pos, idx, _ in rec.descs] == [(0, 0), (2, 2)]
+    seen = []
+    rec.launcher = lambda *a: seen.append(a)
+    plan = launch.Plan([rec], device_index=0, direct=False)
+    plan._stream = lambda dev: 11
+    ref = weakref.ref(x)
+    del xd, od, x
+    gc.collect()
+    assert ref() is None  # the recorded descriptor's base is not held by the plan
+    x2, w2, out2 = torch.randn(2, 16, 32), torch.randn(64, 32), torch.empty(2, 16, 64)
+    plan((x2, w2, out2))
+    (a,) = seen
+    d0, d2 = a[9], a[11]
+    assert type(d0) is TensorDescriptor and d0.base is x2 and d2.base is out2
+    assert (d0.shape, d0.strides, d0.block_shape, d0.padding) == ([32, 32], [32, 1], [16, 16], "zero")
+    assert (d2.shape, d2.strides, d2.block_shape, d2.padding) == ([32, 64], [64, 1], [16, 32], "nan")
+    assert a[10] == w2.data_ptr() and a[12] == 32
+    plan((x2, w2, out2))
+    assert seen[1][9] is not d0  # a fresh descriptor per call: nothing shared between calls
+
+
+def test_a_descriptor_over_a_foreign_tensor_is_refused():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x, out = torch.randn(4, 8), torch.empty(4, 8)
+    ck = FakeCK()
+    foreign = TensorDescriptor(torch.randn(4, 8), [4, 8], [8, 1], [4, 8])
+    with pytest.raises(launch.Refused, match="descriptor over a tensor that is neither an input nor the output"):
+        launch.check_call(ck, "L", _call(ck, 7, foreign, out, 8), (x, out), 7)
 
 
 def test_plan_is_not_used_under_launch_hooks_or_another_device(monkeypatch):
