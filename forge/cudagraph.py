@@ -120,7 +120,8 @@ def _cuda_reserved(device_index: int) -> tuple[int, int]:
 
 
 class GraphedRun:
-    """`run` (a captured graph's forward) replayed from a CUDA graph from its third call on; see the module
+    """`run` (a captured graph's forward) replayed from a CUDA graph from its third call on (auto: from the
+    call after its AUTO_SAMPLES timed calls, and kept only where the timed replays pay); see the module
     docstring. `capture(fn, args, device_index) -> (replay, outputs)` is swappable (tests use a fake)."""
 
     def __init__(self, run: Callable, mutated: set[int], device_index: int = 0, clone_outputs: bool = True,
