@@ -10,6 +10,8 @@ next one still runs):
   suite     `forge search --manifest bench/suite.toml --devices 0 --json` -> DIR/suite.json (+ suite.db)
   big       `forge search --manifest bench/big.toml --json` -> DIR/big.json (+ big.db; issue 15's large
             shapes; --big-time-budget ends it cleanly, --big-cache DB continues it in a later call)
+  models    bench/models.py (issue 14's models end to end; --models-list, --models-modes, budget 16, a new cache)
+            -> DIR/models.json
   layouts   issue 14's rows: `forge search --manifest bench/layouts.toml --json` -> DIR/layouts.json, then
             `forge bench --manifest bench/layouts.toml --max-autotune --json` on that cache -> DIR/layouts-bench.json
             (--layouts-cache DB continues an earlier call's search; --layouts-bench-args replaces --max-autotune;
@@ -152,6 +154,31 @@ def big(out: Path, work: Path, args) -> list[str]:
     return _manifest_part("big", out, cmd, args.big_limit, db)
 
 
+def models(out: Path, work: Path, args) -> list[str]:
+    """Issue 14: bench/models.py over --models-list with --models-modes (each model tuned at --models-budget in
+    its own process, at most --models-limit seconds per model), then every contestant's ms per forward."""
+    names = [m for m in args.models_list.split(",") if m]
+    cmd = [sys.executable, "bench/models.py", "--out", str(work / "models"), "--models", ",".join(names),
+           "--modes", args.models_modes, "--budget", str(args.models_budget), "--cache", str(work / "models.db"),
+           "--model-limit", str(args.models_limit)]
+    rc, wall = run(cmd, args.models_limit * len(names) + 60, sys.stdout)
+    lines = [f"models: rc {rc}, {wall:.0f} s"]
+    src = work / "models" / "models.json"
+    if not src.exists():
+        return [*lines, "  (no models.json)"]
+    (out / "models.json").write_text(src.read_text())
+    for r in json.loads(src.read_text()).get("rows", []):
+        for mode, c in r.get("contestants", {}).items():
+            got = (f"{c['ms_per_forward']:.3f} ms ({c.get('speedup_vs_eager') or 0:.2f}x eager)"
+                   if "ms_per_forward" in c else f"error: {c.get('error', '?')[:120]}")
+            lines.append(f"  {r['model']:7} {mode:18} {got} {' | '.join(c.get('cudagraphs', []))[:160]}")
+        dev = r.get("device") or {}
+        if dev.get("forge_ms"):
+            lines.append(f"  {r['model']:7} device: eager {dev['eager_ms']:.3f} ms, forge {dev['forge_ms']:.3f} ms"
+                         + (f", compile {dev['compile_ms']:.3f} ms" if dev.get("compile_ms") else ""))
+    return lines
+
+
 def layouts(out: Path, work: Path, args) -> list[str]:
     """Issue 14: bench/layouts.toml (or --layouts-manifest M[,M2...]: each in turn, its files named after its
     stem; one machine start for several manifests) searched (its own budget), then every row benched
@@ -219,6 +246,11 @@ def main() -> int:
     ap.add_argument("--big-time-budget", type=float, default=None, help="forge search --time-budget for big")
     ap.add_argument("--big-cache", type=Path, default=None, help="a big.db from an earlier call to continue")
     ap.add_argument("--tests-k", default="", help="pytest -k for the tests part")
+    ap.add_argument("--models-list", default="gpt2,decode,block,llama", help="the models part's --models")
+    ap.add_argument("--models-modes", default="eager,forge,forge-auto,compile,compile-cudagraphs",
+                    help="the models part's --modes")
+    ap.add_argument("--models-budget", type=int, default=16)
+    ap.add_argument("--models-limit", type=float, default=170, help="seconds per model")
     ap.add_argument("--layouts-manifest", default="bench/layouts.toml",
                     help="the manifest(s) the layouts part runs, comma-separated")
     ap.add_argument("--layouts-limit", type=float, default=330)
@@ -231,7 +263,7 @@ def main() -> int:
     os.environ["PYTHONUNBUFFERED"] = "1"
     work = Path(tempfile.mkdtemp(prefix="forge-h200-"))
     os.environ.setdefault("FORGE_CACHE_DIR", str(work / "cache"))
-    parts = {"tests": tests, "latency": latency, "suite": suite, "big": big, "layouts": layouts}
+    parts = {"tests": tests, "latency": latency, "suite": suite, "big": big, "models": models, "layouts": layouts}
     summary: list[str] = []
     for name in args.parts.split(","):
         summary += parts[name](args.out, work, args)
