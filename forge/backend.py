@@ -237,13 +237,20 @@ class Backend:
                 self.simplified.append((index, *done))
         run = self._rest(run_gm, args)
         if self.cudagraphs and device == "cuda":
-            from forge.cudagraph import GraphedRun, mutated_inputs
+            from forge.cudagraph import GraphedRun, mutated_inputs, split_tail
 
             index_of = next((t.get_device() for t in tensors if t.is_cuda), 0)
-            graphed = GraphedRun(run, mutated_inputs(gm), index_of, first_args=args, auto=self.cudagraphs == "auto")
+            # a last GEMM or region whose output is large runs after the replay, on the graph's static buffers,
+            # instead of its output being copied out of them (forge/cudagraph.py)
+            tail = split_tail(run_gm, g.output, lambda t: isinstance(t, (_RegionCall, _Ranged))) \
+                if self.rest == "eager" else None
+            head, finish, no_clone = (tail[0].forward, tail[1], tail[2]) if tail else (run, None, frozenset())
+            after = (f"output(s) {finish.taken} computed after each replay (not copied out)") if tail else ""
+            graphed = GraphedRun(head, mutated_inputs(gm), index_of, first_args=args,
+                                 auto=self.cudagraphs == "auto", no_clone=no_clone, after=after)
             with self._lock:
                 self.graphed.append((index, graphed))
-            run = graphed
+            run = graphed if finish is None else (lambda *a, _g=graphed, _f=finish: _f(_g(*a)))
         return run, g.output
 
     def _resolve_all(self, g, regions: list, index: int) -> tuple[list, list]:

@@ -26,7 +26,8 @@ def fake_capture(fn, args, device_index):
     def replay():
         res = fn(*args)
         for o, r in zip(outs, res if isinstance(res, (tuple, list)) else (res,), strict=True):
-            o.copy_(r)
+            if isinstance(o, torch.Tensor):  # a graph's outputs may hold None (split_tail's head)
+                o.copy_(r)
 
     return replay, out
 
@@ -200,6 +201,85 @@ def test_auto_copies_an_input_that_moved_during_the_timed_calls():
     w.add_(1.0)  # copied, not read in place: the replay sees the new values through the copy
     a = _args(50, w, b)
     assert torch.equal(run(*a)[0], model(*a)[0])
+
+
+def _lm(x, w_head, w):
+    """A tiny "model": hidden states, then a last GEMM (the logits) as its largest output."""
+    h = torch.relu(x @ w)
+    return (h.sum(), torch.nn.functional.linear(h, w_head), h * 2)
+
+
+def test_split_tail_runs_the_last_gemm_after_the_graph_on_its_static_inputs():
+    from forge.cudagraph import split_tail
+
+    gm = fx.symbolic_trace(_lm)
+    x, wh, w = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 8)
+    outs = gm(x, wh, w)
+    tail = split_tail(gm, outs, is_region=lambda t: False, min_bytes=4 * 16 * 4)  # the logits: 256 bytes
+    assert tail is not None
+    head, finish, no_clone = tail
+    raw = head(x, wh, w)
+    # the head returns None for the logits, then the GEMM's two argument nodes (h and w_head)
+    assert raw[1] is None and len(raw) == 5 and no_clone == {3, 4} and finish.taken == [1]
+    assert raw[4] is wh and torch.equal(raw[3], torch.relu(x @ w))
+    got = finish(raw)
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, _lm(x, wh, w), strict=True))
+    assert not any(n.target is torch.nn.functional.linear for n in head.graph.nodes)
+    # an output under the size limit, or one something else reads too, stays in the graph
+    assert split_tail(gm, outs, is_region=lambda t: False, min_bytes=4 * 16 * 4 + 1) is None
+
+    def reads_logits(x, wh, w):
+        y = torch.nn.functional.linear(torch.relu(x @ w), wh)
+        return (y, y.sum())
+    g2 = fx.symbolic_trace(reads_logits)
+    assert split_tail(g2, g2(x, wh, w), is_region=lambda t: False, min_bytes=1) is None
+
+
+def test_split_tail_takes_forge_region_calls_and_keeps_literal_arguments():
+    from forge.cudagraph import split_tail
+
+    class Region:  # stands for the backend's _RegionCall
+        __name__ = "forge_linear"
+
+        def __call__(self, h, w, scale):
+            return torch.nn.functional.linear(h, w) * scale
+
+    region = Region()
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    h = g.call_function(torch.relu, (x,))
+    y = g.call_function(region, (h, w, 0.5))
+    g.output((y,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    xv, wv = torch.randn(4, 8), torch.randn(16, 8)
+    assert split_tail(gm, gm(xv, wv), is_region=lambda t: False, min_bytes=1) is None  # not a region: stays
+    head, finish, no_clone = split_tail(gm, gm(xv, wv), is_region=lambda t: t is region, min_bytes=1)
+    assert torch.equal(finish(head(xv, wv))[0], region(torch.relu(xv), wv, 0.5)) and no_clone == {1, 2}
+
+
+def test_no_clone_outputs_are_the_replays_buffers_and_the_rest_are_copies():
+    """What split_tail's finish reads right after a replay is handed out as the replay left it; the other
+    outputs are copies a later replay cannot change."""
+    from forge.cudagraph import split_tail
+
+    gm = fx.symbolic_trace(_lm)
+    w, wh = torch.randn(8, 8), torch.randn(16, 8)
+    x0 = torch.randn(4, 8)
+    head, finish, no_clone = split_tail(gm, gm(x0, wh, w), is_region=lambda t: False, min_bytes=1)
+    run = GraphedRun(head.forward, set(), capture=fake_capture, first_args=(x0, wh, w), require_cuda=False,
+                     no_clone=no_clone, after="output(s) [1] computed after each replay (not copied out)")
+    results, raws = [], []
+    for seed in range(1, 5):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+        raw = run(x, wh, w)
+        raws.append(raw)
+        results.append((finish(raw), _lm(x, wh, w)))
+    assert run.captures == 1 and run.replays == 4  # first_args was call 1: every call here replayed
+    assert raws[-1][3] is raws[-2][3]  # h: the static buffer itself on every replay
+    assert raws[-1][0] is not raws[-2][0] and raws[-1][2] is not raws[-2][2]  # copies
+    for got, want in results:  # earlier results (logits computed after their replay) unchanged by later ones
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert "output(s) [1] computed after each replay (not copied out)" in run.describe()
 
 
 def test_mutated_inputs_finds_writes_through_views_setitem_and_out():

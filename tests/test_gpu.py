@@ -289,6 +289,41 @@ def test_a_tensor_descriptor_kernel_gets_the_compiled_launch_plan(tmp_path):
     assert launch.same_bits(planned, jit) and planned.data_ptr() != jit.data_ptr()
 
 
+def test_backend_cudagraphs_runs_a_large_last_gemm_after_the_replay():
+    """Backend(cudagraphs=True) on a model whose last op is a GEMM with a large output (the logits): the GEMM
+    runs after each replay on the graph's static buffers instead of its output being copied out; every call's
+    logits are eager's and stay as they were after later calls."""
+    import torch
+
+    from forge.backend import Backend
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(1024, 1024, device="cuda", dtype=torch.bfloat16)
+            self.head = torch.nn.Linear(1024, 32000, bias=False, device="cuda", dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.proj(x)))  # (256, 32000) bf16: 16 MB of logits
+
+    m = LM()
+    be = Backend(miss="eager", cudagraphs=True, cache=_default_db())
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(m, backend=be, dynamic=False)
+        outs = []
+        with torch.no_grad():
+            for _ in range(5):
+                x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+                outs.append((f(x), m(x)))
+        (graphed,) = [g for _, g in be.graphed]
+        assert graphed.replays >= 3 and "computed after each replay" in graphed.describe(), graphed.describe()
+        for got, want in outs:
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_backend_cudagraphs_auto_keeps_a_host_bound_graph_and_releases_a_device_bound_one():
     """Backend(cudagraphs="auto") on real CUDA: 300 tiny ops (host-bound: the replay is far faster) keep their
     graph; one 8192^3 GEMM whose output (256 MB) the replay must copy out does not pay and is released. Values
