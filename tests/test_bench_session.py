@@ -1,0 +1,62 @@
+"""bench/h200_session.py's models part: what it runs and what it reports, with bench/models.py faked (the real
+run needs a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("h200_session", ROOT / "bench" / "h200_session.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_models_part_runs_bench_models_and_reports_every_contestant(tmp_path, monkeypatch):
+    hs = _load()
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    seen = {}
+    doc = {"rows": [
+        {"model": "gpt2", "contestants": {
+            "eager": {"ms_per_forward": 6.72, "speedup_vs_eager": 1.0},
+            "forge-auto": {"ms_per_forward": 1.9, "speedup_vs_eager": 3.54,
+                           "cudagraphs": ["graph 0: 1 capture(s), 5 replay(s) of 9 call(s); auto: kept"]},
+            "compile-cudagraphs": {"error": "RuntimeError: boom"}},
+         "device": {"eager_ms": 6.42, "forge_ms": 1.58}},
+    ]}
+
+    def fake_run(cmd, limit, log):
+        seen["cmd"], seen["limit"] = cmd, limit
+        (work / "models").mkdir()
+        (work / "models" / "models.json").write_text(json.dumps(doc))
+        return 0, 12.0
+
+    monkeypatch.setattr(hs, "run", fake_run)
+    args = types.SimpleNamespace(models_list="gpt2,decode", models_modes="eager,forge-auto", models_budget=16,
+                                 models_limit=140.0)
+    lines = hs.models(out, work, args)
+    cmd = seen["cmd"]
+    assert cmd[1] == "bench/models.py" and cmd[cmd.index("--models") + 1] == "gpt2,decode"
+    assert cmd[cmd.index("--modes") + 1] == "eager,forge-auto" and cmd[cmd.index("--model-limit") + 1] == "140.0"
+    assert seen["limit"] == 140.0 * 2 + 60
+    assert json.loads((out / "models.json").read_text()) == doc
+    assert lines[0] == "models: rc 0, 12 s"
+    text = "\n".join(lines)
+    assert "gpt2    forge-auto         1.900 ms (3.54x eager) graph 0: 1 capture(s)" in text
+    assert "compile-cudagraphs error: RuntimeError: boom" in text
+    assert "device: eager 6.420 ms, forge 1.580 ms" in text
+
+
+def test_models_part_without_a_result_says_so(tmp_path, monkeypatch):
+    hs = _load()
+    monkeypatch.setattr(hs, "run", lambda cmd, limit, log: ("timeout after 340 s", 340.0))
+    args = types.SimpleNamespace(models_list="gpt2", models_modes="eager", models_budget=16, models_limit=280.0)
+    assert hs.models(tmp_path, tmp_path, args) == ["models: rc timeout after 340 s, 340 s", "  (no models.json)"]
