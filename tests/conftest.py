@@ -24,6 +24,15 @@ FAULT_OPS = Path(__file__).resolve().parent / "fault_ops"
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+def load_bench(name: str):
+    """A script of bench/ (not a package) imported as a module, for tests of its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

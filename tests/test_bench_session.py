@@ -3,23 +3,14 @@ run needs a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import types
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("h200_session", ROOT / "bench" / "h200_session.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.conftest import load_bench
 
 
 def test_models_part_runs_bench_models_and_reports_every_contestant(tmp_path, monkeypatch):
-    hs = _load()
+    hs = load_bench("h200_session")
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     out.mkdir()
@@ -56,7 +47,7 @@ def test_models_part_runs_bench_models_and_reports_every_contestant(tmp_path, mo
 
 
 def test_models_part_without_a_result_says_so(tmp_path, monkeypatch):
-    hs = _load()
+    hs = load_bench("h200_session")
     monkeypatch.setattr(hs, "run", lambda cmd, limit, log: ("timeout after 340 s", 340.0))
     args = types.SimpleNamespace(models_list="gpt2", models_modes="eager", models_budget=16, models_limit=280.0)
     assert hs.models(tmp_path, tmp_path, args) == ["models: rc timeout after 340 s, 340 s", "  (no models.json)"]

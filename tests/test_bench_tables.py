@@ -3,23 +3,13 @@ block kept equal to what the script makes of the committed files."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, load_bench
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("peers_table", ROOT / "bench" / "peers_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-pt = _load()
+pt = load_bench("peers_table")
 COPY = 4.0  # TB/s
 
 

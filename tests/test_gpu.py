@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from forge import launch
@@ -68,6 +70,19 @@ def tuned_rmsnorm(monkeypatch):
     monkeypatch.setattr(stats, "accepts", lambda *a, **k: True)
     engine.search("rmsnorm", (64, 4096), "float16", device="cuda", cache=Cache(_default_db()), attrs={"eps": 1e-6},
                   options=engine.SearchOptions(budget=4, timeout=120))
+
+
+@contextlib.contextmanager
+def _forge_compiled(fn, be):
+    """torch.compile(fn) with the forge Backend `be`, between two Dynamo resets: no compiled entry of another
+    test is reused, and none of this one leaks into the next."""
+    import torch
+
+    torch._dynamo.reset()
+    try:
+        yield torch.compile(fn, backend=be, dynamic=False)
+    finally:
+        torch._dynamo.reset()
 
 
 def _default_db():
@@ -308,9 +323,7 @@ def test_backend_cudagraphs_runs_a_large_last_gemm_after_the_replay():
 
     m = LM()
     be = Backend(miss="eager", cudagraphs=True, cache=_default_db())
-    torch._dynamo.reset()
-    try:
-        f = torch.compile(m, backend=be, dynamic=False)
+    with _forge_compiled(m, be) as f:
         outs = []
         with torch.no_grad():
             for _ in range(5):
@@ -320,8 +333,6 @@ def test_backend_cudagraphs_runs_a_large_last_gemm_after_the_replay():
         assert graphed.replays >= 3 and "computed after each replay" in graphed.describe(), graphed.describe()
         for got, want in outs:
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    finally:
-        torch._dynamo.reset()
 
 
 def test_backend_cudagraphs_auto_keeps_a_host_bound_graph_and_releases_a_device_bound_one():
@@ -345,9 +356,7 @@ def test_backend_cudagraphs_auto_keeps_a_host_bound_graph_and_releases_a_device_
                            (big, lambda: (torch.randn(8192, 8192, device="cuda"),
                                           torch.randn(8192, 8192, device="cuda")), False)):
         be = Backend(miss="eager", cudagraphs="auto", cache=_default_db())
-        torch._dynamo.reset()
-        try:
-            f = torch.compile(fn, backend=be, dynamic=False)
+        with _forge_compiled(fn, be) as f:
             for _ in range(2 * cg.AUTO_SAMPLES + 4):
                 args = make()
                 torch.testing.assert_close(f(*args), fn(*args), rtol=1e-4, atol=1e-3)
@@ -357,8 +366,6 @@ def test_backend_cudagraphs_auto_keeps_a_host_bound_graph_and_releases_a_device_
                 assert graphed.reason is None and "auto: kept" in graphed.describe(), graphed.describe()
             else:
                 assert "auto: released" in graphed.describe(), graphed.describe()
-        finally:
-            torch._dynamo.reset()
 
 
 def test_backend_cudagraphs_replays_the_whole_graph_with_a_forge_kernel_inside(tuned_rmsnorm):
@@ -380,9 +387,7 @@ def test_backend_cudagraphs_replays_the_whole_graph_with_a_forge_kernel_inside(t
 
     m = Block()
     be = Backend(miss="eager", cudagraphs=True, cache=_default_db())
-    torch._dynamo.reset()
-    try:
-        f = torch.compile(m, backend=be, dynamic=False)
+    with _forge_compiled(m, be) as f:
         outs = []
         with torch.no_grad():
             for _ in range(5):
@@ -403,8 +408,6 @@ def test_backend_cudagraphs_replays_the_whole_graph_with_a_forge_kernel_inside(t
             # with the old storage
             assert graphed.moved == 1 or len(be.graphed) == 2, [g.describe() for _, g in be.graphed]
             assert "CUDA graph" in str(be.explain())
-    finally:
-        torch._dynamo.reset()
 
 
 def test_backend_region_takes_the_cpp_fast_call_bit_for_bit(tuned_rmsnorm):
@@ -419,9 +422,7 @@ def test_backend_region_takes_the_cpp_fast_call_bit_for_bit(tuned_rmsnorm):
     assert fastcall.module(wait=True) is not None, fastcall.error()
     w = torch.randn(4096, device="cuda", dtype=torch.float16)
     be = Backend(miss="eager", cache=_default_db())
-    torch._dynamo.reset()
-    try:
-        f = torch.compile(lambda x: _rms(x, w), backend=be, dynamic=False)
+    with _forge_compiled(lambda x: _rms(x, w), be) as f:
         with torch.no_grad():
             x = torch.randn(64, 4096, device="cuda", dtype=torch.float16)
             for _ in range(4):
@@ -443,8 +444,6 @@ def test_backend_region_takes_the_cpp_fast_call_bit_for_bit(tuned_rmsnorm):
             torch.testing.assert_close(a, _rms(x2, w), rtol=2e-2, atol=2e-2)
             x3 = torch.randn(32, 4096, device="cuda", dtype=torch.float16)
             torch.testing.assert_close(f(x3), _rms(x3, w), rtol=2e-2, atol=2e-2)
-    finally:
-        torch._dynamo.reset()
 
 
 def test_trace_profile_on_cuda_attributes_device_time(tmp_path):
