@@ -11,6 +11,11 @@ Schemes (K and N padded with zeros; the extra output columns are never kept):
   pad16view  pad16 returning the output's first N columns as a strided view (the copy's cost; NOT a valid
              forge result, eager's layout is contiguous)
   gemm       torch.matmul on operands padded once before timing (the GEMM alone: a lower bound)
+  strided    no padded GEMM: A and B copied (one copy kernel each, nothing filled) into storage whose rows are
+             16-byte multiples, viewed at their own K and N; cuBLAS writes C into rows of 16-byte multiples too
+             (mm's out=), its first N columns copied out contiguous. cuBLAS needs aligned leading dimensions
+             and pointers, not aligned sizes, and never reads past the logical K
+  stridedc   strided with cuBLAS writing the contiguous (misaligned) output directly: no copy out
 
 Usage (GPU machine, repo root):
     PYTHONPATH=. python3 bench/pad_probe.py --out DIR [--shape 8205x2949x5921] [--dtypes bfloat16,float16]
@@ -63,7 +68,29 @@ def schemes(torch, fused):
         a2, b2 = padded(a, b, 16, 16, None)
         return torch.matmul(a2, b2)[:, :n]
 
+    def aligned_view(t, eb: int = 16):
+        """t copied into storage whose rows are eb-byte multiples (the pad never written), viewed at t's shape."""
+        rows = up(t.shape[1], max(1, eb // t.element_size()))
+        buf = torch.empty(t.shape[0], rows, dtype=t.dtype, device=t.device)
+        v = buf[:, : t.shape[1]]
+        v.copy_(t)
+        return v
+
+    def strided(inputs):
+        a, b = inputs
+        a2, b2 = aligned_view(a), aligned_view(b)
+        out = torch.empty(a.shape[0], up(b.shape[1], max(1, 16 // a.element_size())), dtype=a.dtype,
+                          device=a.device)[:, : b.shape[1]]
+        torch.mm(a2, b2, out=out)
+        return out.contiguous()
+
+    def stridedc(inputs):
+        a, b = inputs
+        return torch.mm(aligned_view(a), aligned_view(b))
+
     return {
+        "strided": strided,
+        "stridedc": stridedc,
         "pad16": lambda inputs: fused._matmul_aligned(inputs, {}),
         "pad128": pad128,
         "pad16m": pad16m,
