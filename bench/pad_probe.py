@@ -5,7 +5,8 @@ allocates its result, timed as forge bench times a torch-op contestant (Bench.ca
 is checked against eager's before it is timed.
 
 Schemes (K and N padded with zeros; the extra output columns are never kept):
-  pad16      forge/fused.py _matmul_aligned as committed (K, N to 16 B; copies' storage rows to _PAD_BYTES)
+  forge      forge/fused.py _matmul_aligned as committed (the torch-op candidate the search times)
+  pad16      K and N padded to 16 B with F.pad, storage rows to 128 B (_matmul_aligned at 75fc458)
   pad128     K and N padded to 128 B (5952, 3008; stop 32's first version)
   pad16m     pad16 with M padded to 16 B too (8208 rows; Inductor's pad_mm shape mm(8208x5928, 5928x2952))
   pad16view  pad16 returning the output's first N columns as a strided view (the copy's cost; NOT a valid
@@ -49,6 +50,17 @@ def schemes(torch, fused):
         b2 = pad(b, (0, np_ - n, 0, kp - k)) if (kp, np_) != (k, n) else b
         return a2, b2
 
+    def pad16(inputs):
+        a, b = inputs
+        e, k, n = a.element_size(), a.shape[1], b.shape[1]
+        kp, np_ = up(k, max(1, 16 // e)), up(n, max(1, 16 // e))
+        if kp != k:
+            a = pad(a, (0, up(kp, 128 // e) - k))[:, :kp]
+        if kp != k or np_ != n:
+            b = pad(b, (0, up(np_, 128 // e) - n, 0, kp - k))[:, :np_]
+        out = torch.matmul(a, b)
+        return out[:, :n].contiguous() if np_ != n else out
+
     def pad128(inputs):
         a, b = inputs
         n = b.shape[1]
@@ -91,7 +103,8 @@ def schemes(torch, fused):
     return {
         "strided": strided,
         "stridedc": stridedc,
-        "pad16": lambda inputs: fused._matmul_aligned(inputs, {}),
+        "forge": lambda inputs: fused._matmul_aligned(inputs, {}),
+        "pad16": pad16,
         "pad128": pad128,
         "pad16m": pad16m,
         "pad16view": pad16view,
