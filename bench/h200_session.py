@@ -12,6 +12,7 @@ next one still runs):
             shapes; --big-time-budget ends it cleanly, --big-cache DB continues it in a later call)
   models    bench/models.py (issue 14's models end to end; --models-list, --models-modes, budget 16, a new cache)
             -> DIR/models.json
+  pad       bench/pad_probe.py (issue 16's misaligned GEMM: padding schemes side by side) -> DIR/pad-probe.json
   layouts   issue 14's rows: `forge search --manifest bench/layouts.toml --json` -> DIR/layouts.json, then
             `forge bench --manifest bench/layouts.toml --max-autotune --json` on that cache -> DIR/layouts-bench.json
             (--layouts-cache DB continues an earlier call's search; --layouts-bench-args replaces --max-autotune;
@@ -129,6 +130,22 @@ def _manifest_part(name: str, out: Path, cmd: list[str], limit: float, db: Path)
                      f"({e.get('speedup') or 0:.2f}x) {e.get('seconds', 0):6.1f} s "
                      f"peak/worker {peak / 2**30 if peak else 0:5.1f} GiB exit {e.get('exit_code')} "
                      f"{e.get('winner')} {(e.get('error') or '')[:300]}")
+    return lines
+
+
+def pad(out: Path, work: Path, args) -> list[str]:
+    """Issue 16: bench/pad_probe.py, the misaligned GEMM's padding schemes timed side by side in one process."""
+    cmd = [sys.executable, "bench/pad_probe.py", "--out", str(work / "pad")]
+    rc, wall = run(cmd, args.pad_limit, sys.stdout)
+    lines = [f"pad: rc {rc}, {wall:.0f} s"]
+    src = work / "pad" / "pad-probe.json"
+    if not src.exists():
+        return [*lines, "  (no pad-probe.json)"]
+    (out / "pad-probe.json").write_text(src.read_text())
+    for dtype, rows in json.loads(src.read_text()).get("results", {}).items():
+        comp = rows.get("compile", {}).get("p50")
+        lines += [f"  {dtype:9} {name:10} {q['p50']:8.1f} us" + (f" ({q['p50'] / comp:.3f}x compile)" if comp else "")
+                  for name, q in rows.items()]
     return lines
 
 
@@ -251,6 +268,7 @@ def main() -> int:
                     help="the models part's --modes")
     ap.add_argument("--models-budget", type=int, default=16)
     ap.add_argument("--models-limit", type=float, default=170, help="seconds per model")
+    ap.add_argument("--pad-limit", type=float, default=150)
     ap.add_argument("--layouts-manifest", default="bench/layouts.toml",
                     help="the manifest(s) the layouts part runs, comma-separated")
     ap.add_argument("--layouts-limit", type=float, default=330)
@@ -263,7 +281,8 @@ def main() -> int:
     os.environ["PYTHONUNBUFFERED"] = "1"
     work = Path(tempfile.mkdtemp(prefix="forge-h200-"))
     os.environ.setdefault("FORGE_CACHE_DIR", str(work / "cache"))
-    parts = {"tests": tests, "latency": latency, "suite": suite, "big": big, "models": models, "layouts": layouts}
+    parts = {"tests": tests, "latency": latency, "suite": suite, "big": big, "models": models, "pad": pad,
+             "layouts": layouts}
     summary: list[str] = []
     for name in args.parts.split(","):
         summary += parts[name](args.out, work, args)

@@ -1,5 +1,6 @@
-"""bench/h200_session.py's models part: what it runs and what it reports, with bench/models.py faked (the real
-run needs a GPU)."""
+"""bench/h200_session.py's models and pad parts: what they run and what they report, with bench/models.py and
+bench/pad_probe.py faked (the real
+runs need a GPU)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,28 @@ def test_models_part_without_a_result_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(hs, "run", lambda cmd, limit, log: ("timeout after 340 s", 340.0))
     args = types.SimpleNamespace(models_list="gpt2", models_modes="eager", models_budget=16, models_limit=280.0)
     assert hs.models(tmp_path, tmp_path, args) == ["models: rc timeout after 340 s, 340 s", "  (no models.json)"]
+
+
+def test_pad_part_runs_the_probe_and_reports_each_scheme_against_compile(tmp_path, monkeypatch):
+    hs = load_bench("h200_session")
+    work, out = tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    doc = {"results": {"bfloat16": {"eager": {"p50": 2100.0}, "strided": {"p50": 520.0},
+                                    "compile": {"p50": 473.0}}}}
+    seen = {}
+
+    def fake_run(cmd, limit, log):
+        seen["cmd"], seen["limit"] = cmd, limit
+        (work / "pad").mkdir(parents=True)
+        (work / "pad" / "pad-probe.json").write_text(json.dumps(doc))
+        return 0, 80.0
+
+    monkeypatch.setattr(hs, "run", fake_run)
+    lines = hs.pad(out, work, types.SimpleNamespace(pad_limit=150.0))
+    assert seen["cmd"][1:] == ["bench/pad_probe.py", "--out", str(work / "pad")] and seen["limit"] == 150.0
+    assert json.loads((out / "pad-probe.json").read_text()) == doc
+    assert lines == ["pad: rc 0, 80 s", "  bfloat16  eager        2100.0 us (4.440x compile)",
+                     "  bfloat16  strided       520.0 us (1.099x compile)",
+                     "  bfloat16  compile       473.0 us (1.000x compile)"]
+    monkeypatch.setattr(hs, "run", lambda cmd, limit, log: ("timeout after 150 s", 150.0))
+    assert hs.pad(out, tmp_path / "other", types.SimpleNamespace(pad_limit=150.0))[1] == "  (no pad-probe.json)"
