@@ -1,6 +1,5 @@
 """bench/h200_session.py's models and pad parts: what they run and what they report, with bench/models.py and
-bench/pad_probe.py faked (the real
-runs need a GPU)."""
+bench/pad_probe.py faked (the real runs need a GPU)."""
 
 from __future__ import annotations
 
