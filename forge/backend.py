@@ -603,6 +603,8 @@ def _swapped(gm, swaps: list, *, inductor: bool):
     import torch
     import torch.fx as fx
 
+    from forge import fold
+
     new = fx.GraphModule(gm, gm.graph.__deepcopy__())
     nodes = {n.name: n for n in new.graph.nodes}
     op = _region_op() if inductor else None
@@ -635,7 +637,7 @@ def _swapped(gm, swaps: list, *, inductor: bool):
             continue
         root.replace_all_uses_with(repl)
         replaced[r.root.name] = repl
-    new.graph.eliminate_dead_code()
+    fold.eliminate_dead_code(new.graph)  # not fx's own: it drops in-place method calls (forge/fold.py)
     new.recompile()
     return new
 

@@ -84,6 +84,8 @@ def split_tail(gm, outputs, is_region: Callable[[Any], bool], min_bytes: int | N
     import torch
     import torch.fx as fx
 
+    from forge.fold import eliminate_dead_code
+
     min_bytes = TAIL_MIN_BYTES if min_bytes is None else min_bytes
     out_node = next((n for n in gm.graph.nodes if n.op == "output"), None)
     if out_node is None or not isinstance(out_node.args[0], (tuple, list)):
@@ -126,7 +128,7 @@ def split_tail(gm, outputs, is_region: Callable[[Any], bool], min_bytes: int | N
     new_out.args = (tuple(flat + extra),)
     for _, n in picked:
         new.graph.erase_node(by_name[n.name])
-    new.graph.eliminate_dead_code()
+    eliminate_dead_code(new.graph)  # not fx's own: it drops in-place method calls (forge/fold.py)
     new.recompile()
 
     def finish(res):

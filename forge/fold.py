@@ -62,6 +62,21 @@ def _mutates(node) -> bool:
     return "out" in node.kwargs or bool(node.kwargs.get("inplace", False))
 
 
+def eliminate_dead_code(graph) -> int:
+    """Erase the nodes of `graph` whose value nothing reads, as graph.eliminate_dead_code() does, but never one
+    that writes into an argument (_mutates) or is impure by fx's own rule (random ops, side effects). fx counts
+    every call_method pure, so its own pass erased `t.mul_(1.5)` where the method's return value was unused (as
+    it always is in `t.mul_(1.5); y = t + x`): the write was lost and y wrong. Every rewrite of a captured graph
+    (fold.simplify, the backend's swaps, cudagraph.split_tail) cleans up through here. Returns how many went."""
+    erased = 0
+    for n in reversed(list(graph.nodes)):
+        if n.users or n.op in ("placeholder", "output") or _mutates(n) or n.is_impure():
+            continue
+        graph.erase_node(n)
+        erased += 1
+    return erased
+
+
 def _inputs(node) -> list:
     import torch.fx as fx
 
@@ -170,6 +185,6 @@ def simplify(gm, values: dict) -> tuple[int, int]:
             n.replace_all_uses_with(n.args[0])
             dropped += 1
     if folded or dropped:
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.recompile()
     return folded, dropped

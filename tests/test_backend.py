@@ -391,3 +391,25 @@ def test_profile_regions_puts_every_decided_region_in_a_named_range(tmp_path, mo
     assert {"forge_region::kernel::rmsnorm", "forge_region::eager::softmax"} <= names, sorted(names)[:40]
     torch.testing.assert_close(got, f(x, w), rtol=1e-5, atol=1e-6)
     assert [(c.calls, c.fallbacks) for c in be.kernel_calls] == [(1, 0)]  # the kernel ran, inside its range
+
+
+def _written_around_a_region(x, w):
+    t = x.clone()
+    t.mul_(2.0)  # an in-place method whose return value nothing reads
+    return shim_ref(t, w) + t
+
+
+def test_a_swapped_graph_keeps_in_place_writes(monkeypatch):
+    """The backend's swap (backend._swapped) cleans up the region's own nodes afterwards; fx's own dead-code pass
+    counted `t.mul_(2.0)` pure and dropped it, so the region and the sum read t unscaled (forge/fold.py
+    eliminate_dead_code)."""
+    calls: list = []
+    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
+    be = fb.Backend(miss="eager", interpreter=True)
+    torch._dynamo.reset()
+    f = torch.compile(_written_around_a_region, backend=be)
+    for _ in range(3):
+        x, w = torch.randn(8, 32), torch.randn(32)
+        torch.testing.assert_close(f(x, w), _written_around_a_region(x, w))
+    assert calls == ["rmsnorm", "rmsnorm"]  # swapped from the second call on
+    torch._dynamo.reset()

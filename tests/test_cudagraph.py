@@ -323,3 +323,21 @@ def test_backend_option_is_checked_and_cpu_graphs_are_left_alone():
     finally:
         torch._dynamo.reset()
     assert be.graphed == [] and be.explain().cudagraphs == ()
+
+
+def test_split_tail_keeps_an_in_place_write_in_the_head():
+    """split_tail's clean-up after taking the last GEMM out must not drop `h.mul_(2.0)` (an in-place method whose
+    return value nothing reads: fx's own dead-code pass counts it pure)."""
+    from forge.cudagraph import split_tail
+
+    def scaled(x, wh, w):
+        h = torch.relu(x @ w)
+        h.mul_(2.0)
+        return (h.sum(), torch.nn.functional.linear(h, wh))
+
+    gm = fx.symbolic_trace(scaled)
+    x, wh, w = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 8)
+    head, finish, _ = split_tail(gm, gm(x, wh, w), is_region=lambda t: False, min_bytes=1)
+    assert any(n.target == "mul_" for n in head.graph.nodes)
+    for got, want in zip(finish(head(x, wh, w)), scaled(x, wh, w), strict=True):
+        assert torch.equal(got, want)

@@ -147,3 +147,48 @@ def test_hf_gpt2_through_the_backend_folds_its_mask_and_drops_its_dropouts():
     dropped = sum(s[2] for s in be.simplified)
     layers = GPT2_CFG.get("n_layer", 2)
     assert folded >= 1 and dropped >= 2 * layers, be.simplified
+
+
+def _written_then_read(x):
+    """An in-place method whose return value nothing reads (as `t.mul_(k)` always is), beside a folded mask."""
+    mask = torch.ones(x.shape[-1], x.shape[-1], dtype=torch.bool, device="cpu").tril()
+    t = x.clone()
+    t.mul_(1.5)
+    t[:, 0] = 7.0
+    t += 1.0
+    return torch.where(mask, t, x) + x
+
+
+def test_in_place_writes_whose_result_is_unused_survive_the_rewrite():
+    """fold.simplify erased dead nodes with fx's eliminate_dead_code, which counts every call_method pure: once
+    anything was folded it dropped `t.mul_(1.5)` (found by tests/test_backend_programs.py) and the value was
+    wrong from the second call on."""
+    f, be = _compiled(_written_then_read)
+    for _ in range(3):
+        x = torch.randn(5, 5)
+        torch.testing.assert_close(f(x), _written_then_read(x), rtol=0, atol=0)
+    assert be.simplified == [(0, 1, 0)]  # the mask was folded, so the rewrite (and its clean-up) ran
+
+
+def test_dead_code_elimination_keeps_writes_and_impure_calls():
+    import operator
+
+    import torch.fx as fx
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    t = g.call_method("clone", (x,))
+    g.call_method("mul_", (t, 2.0))  # result unused: a write into t
+    g.call_function(operator.setitem, (t, 0, 1.0))
+    g.call_function(operator.iadd, (t, 1.0))
+    g.call_function(torch.rand, (3,))  # random: fx counts it impure (the RNG state moves)
+    dead = g.call_method("view", (x, -1))
+    g.call_function(torch.relu, (dead,))  # a pure chain nothing reads: both go
+    g.output(t)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert fold.eliminate_dead_code(gm.graph) == 2
+    gm.recompile()
+    names = [n.target if isinstance(n.target, str) else n.target.__name__ for n in gm.graph.nodes]
+    assert names == ["x", "clone", "mul_", "setitem", "iadd", "rand", "output"]
+    x0 = torch.zeros(2)
+    assert torch.equal(gm(x0), torch.tensor([2.0, 1.0]))  # t[0] = 1, then += 1 (the * 2 of zeros kept too)
