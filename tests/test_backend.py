@@ -136,7 +136,7 @@ def _fake_resolve(calls: list, scale: float = 1.0):
         def __call__(self, leaves):
             calls.append(self.spec.op)
             picked = [leaves[i] if i is not None else None for i in self.indices]
-            return self.op.reference(self.op.fill_missing(picked), self.attrs) * scale
+            return self.op.reference(ops.fill_inputs(self.op, picked, self.attrs), self.attrs) * scale
 
     return lambda op, picked, indices, attrs, tensors, **kw: (Fake(op, indices, attrs),
                                                                Explanation("kernel", "fake", op=op.name))

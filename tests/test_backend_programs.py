@@ -51,6 +51,16 @@ PIECES = (
     "{t} = torch.ones(2, 5, 5, device='cpu'); {t}[:, 0] = {a}[:, 1]; {v} = {t} * {b}",
     "{t} = torch.arange(25, device='cpu').float().view(5, 5); {t}.transpose(0, 1).mul_(-1.0); {v} = {a} + {t}",
     "{v} = torch.arange(5, device='cpu').float().expand(2, 5, 5) * 1.0",  # literal-only, returned maybe
+    # more of forge's families as models spell them
+    "{v} = F.linear({a}, {b}[0], {b}[1, 0])",
+    "{v} = F.scaled_dot_product_attention({a}.unsqueeze(1), {b}.unsqueeze(1), {a}.unsqueeze(1), is_causal=True)"
+    ".squeeze(1)",
+    "{v} = F.silu({a}) * {b}",
+    "{t} = {a} + {b}; {v} = {t} * torch.rsqrt({t}.pow(2).mean(-1, keepdim=True) + 1e-6) + {t}",  # residual + norm
+    "{v} = torch.log_softmax({a}, dim=-1)",
+    "{v} = {a}.amax(-1, keepdim=True) + {b}",
+    "{v} = F.layer_norm({a}, (5, 5))",
+    "{v} = {a} @ {b}.transpose(-1, -2)",
 )
 WRITE_INPUT = "x.mul_(0.5)"  # an in-place write into the caller's tensor, as the first statement
 
