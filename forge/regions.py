@@ -87,6 +87,44 @@ def _region_nodes(root, leaves: set) -> list:
     return seen
 
 
+def _writes(graph, order: dict) -> list[tuple[int, Any, str]]:
+    """(position, the written tensor's node, a description) of each node of the graph that writes into an
+    argument in place (forge/fold.py _mutates: x.mul_(k), x[i] = v, x += y, out=)."""
+    from forge.fold import _mutates
+
+    out = []
+    for w in graph.gm.graph.nodes:
+        if w.op in ("call_function", "call_method") and _mutates(w):
+            target = w.kwargs.get("out", w.args[0] if w.args else None)
+            if target is not None:
+                out.append((order[w], target, _describe_call(w)))
+    return out
+
+
+def _written_inside(graph, region: Region, order: dict, writes: list) -> str | None:
+    """The first in-place write placed between the region's first node and its root into a tensor whose storage
+    the region reads (a leaf or a node of it), or None. A kernel at the root reads every input once, after such
+    a write, where the user's code read part of them before it (t's mean of squares, then t.mul_(2), then
+    t * rsqrt(mean): not rmsnorm of either t). Storages are the planning call's values."""
+    import torch
+
+    lo, hi = min(order[m] for m in region.nodes), order[region.root]
+    inside = [(i, t, what) for i, t, what in writes if lo < i < hi]
+    if not inside:
+        return None
+
+    def storage(v):
+        return v.untyped_storage().data_ptr() if isinstance(v, torch.Tensor) and v.numel() else None
+
+    read = {storage(graph.values.get(m)) for m in [*region.nodes, *region.leaves] if not isinstance(m, str)}
+    read.discard(None)
+    for _, t, what in inside:
+        targets = t if isinstance(t, (tuple, list)) else (t,)
+        if any(storage(graph.values.get(x)) in read for x in targets if not isinstance(x, str)):
+            return what
+    return None
+
+
 def _describe_call(n) -> str:
     t = n.target
     name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
@@ -147,6 +185,7 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
     covered: set = set()
     regions: list[Region] = []
     reasons: dict = {}
+    written: dict = {}  # root -> the in-place write that refused a match there (_written_inside)
     multi = frozenset(n for n in calls if len(n.users) > 1)
     heads = graph.heads()
     boundary = frozenset(n for n in calls if heads.get(n) in BOUNDARY_HEADS)
@@ -171,6 +210,8 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
     keepers = [f for f in specific if getattr(f.module, "KEEP_MULTI_USE", ())]
     keep_heads = frozenset(h for f in keepers for h in f.module.KEEP_MULTI_USE)
     multi_images = cut_multi - multi
+    order = {m: i for i, m in enumerate(graph.gm.graph.nodes)}
+    writes = _writes(graph, order)
     for n in reversed(calls):
         if n in covered:
             continue
@@ -219,6 +260,9 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
                         # wte + wpe broadcast add) would leave its norm eager: the plain norm is tried instead
                         continue
                     region = _region(fam, graph, n, traced, *res, graph_index, names, device)
+                    if writes and (w := _written_inside(graph, region, order, writes)) is not None:
+                        written[n] = w  # its kernel would read the value after the write in every place
+                        continue
                     if split is not None and split(region):
                         kept = kept or region
                         continue  # the next family, then the next cut: the region's parts
@@ -229,6 +273,9 @@ def find_regions(graph, device: str, graph_index: int = 0, names: dict | None = 
             reasons[n] = f"no op family matches ({describe(traced.expr)})"
         found = found or kept
         if not found:
+            if n in written:
+                reasons[n] = (f"an in-place write ({written[n]}) between the nodes of its {describe(traced.expr)} "
+                              "changes a value they read part-way")
             continue
         found.index = len(regions)
         covered.update(found.nodes)

@@ -413,3 +413,49 @@ def test_a_swapped_graph_keeps_in_place_writes(monkeypatch):
         torch.testing.assert_close(f(x, w), _written_around_a_region(x, w))
     assert calls == ["rmsnorm", "rmsnorm"]  # swapped from the second call on
     torch._dynamo.reset()
+
+
+def _written_part_way(x):
+    t = x.clone()
+    s = t.pow(2).mean(-1, keepdim=True)
+    t.mul_(2.0)  # between the mean of t's squares and the product with t: not rmsnorm of either t
+    return t * torch.rsqrt(s + 1e-6)
+
+
+def test_a_region_is_not_matched_across_an_in_place_write_into_what_it_reads(monkeypatch):
+    """The rmsnorm spelling spans a write into t: a kernel at its root would read t once, after the write. The
+    region is refused (found by tests/test_backend_programs.py), the mean alone is a region, values are eager's,
+    and the reason names the write."""
+    calls: list = []
+    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
+    be = fb.Backend(miss="eager", interpreter=True)
+    torch._dynamo.reset()
+    f = torch.compile(_written_part_way, backend=be)
+    for _ in range(3):
+        x = torch.randn(8, 32)
+        torch.testing.assert_close(f(x), _written_part_way(x))
+    assert calls == ["reduce", "reduce"]
+    reasons = [why for *_, why in be.unmatched]
+    assert any(why.startswith("an in-place write (method mul_) between the nodes of its") for why in reasons), reasons
+    torch._dynamo.reset()
+
+
+def _written_elsewhere(x):
+    t = x.clone()
+    s = t.pow(2).mean(-1, keepdim=True)
+    u = x * 3.0
+    u.add_(1.0)  # a write into another tensor between the region's nodes does not stop the match
+    return t * torch.rsqrt(s + 1e-6) + u
+
+
+def test_a_write_into_another_tensor_between_a_regions_nodes_leaves_the_match(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
+    be = fb.Backend(miss="eager", interpreter=True)
+    torch._dynamo.reset()
+    f = torch.compile(_written_elsewhere, backend=be)
+    for _ in range(3):
+        x = torch.randn(8, 32)
+        torch.testing.assert_close(f(x), _written_elsewhere(x))
+    assert "rmsnorm" in calls
+    torch._dynamo.reset()

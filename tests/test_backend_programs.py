@@ -61,6 +61,9 @@ PIECES = (
     "{v} = {a}.amax(-1, keepdim=True) + {b}",
     "{v} = F.layer_norm({a}, (5, 5))",
     "{v} = {a} @ {b}.transpose(-1, -2)",
+    # a write between the nodes of one rmsnorm spelling: the mean of t before it, the product with t after it
+    "{t} = {a}.clone(); {t}_s = {t}.pow(2).mean(-1, keepdim=True); {t}.mul_(2.0); "
+    "{v} = {t} * torch.rsqrt({t}_s + 1e-6)",
 )
 WRITE_INPUT = "x.mul_(0.5)"  # an in-place write into the caller's tensor, as the first statement
 
