@@ -64,6 +64,8 @@ PIECES = (
     # a write between the nodes of one rmsnorm spelling: the mean of t before it, the product with t after it
     "{t} = {a}.clone(); {t}_s = {t}.pow(2).mean(-1, keepdim=True); {t}.mul_(2.0); "
     "{v} = {t} * torch.rsqrt({t}_s + 1e-6)",
+    "{t} = {a}.clone(); {t}_s = torch.softmax({t}, -1); {t}.view(-1)[:7].mul_(-1.0); {v} = {t}_s * {t}",  # via a view
+    "{t} = {a} * 1.0; {v} = torch.softmax({t}, -1); {v}.mul_(2.0)",  # a write into a region's output
 )
 WRITE_INPUT = "x.mul_(0.5)"  # an in-place write into the caller's tensor, as the first statement
 
