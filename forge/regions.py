@@ -14,7 +14,8 @@ pointwise family is tried after the specific ones (ops.match_order), and at (3) 
 elementwise calls only it reads (trace.ELEMENTWISE_HEADS: opaque to them, as before it existed). Calls left
 uncovered are reported with why nothing matched. A matched region whose inputs the op's kernel
 cannot take (a layout, e.g. HF's transposed q/k/v or (B, 1, S, D) cos/sin; a dtype) is listed with
-the reason.
+the reason. A match is refused where an in-place write into a tensor it reads stands between its first node
+and its root (its kernel, launched at the root, would read that tensor once, after the write).
 
 Runtime layer: `forge trace` (the tuner) and the TorchDynamo backend (forge/backend.py) both read
 regions from here, so what trace reports is what the backend swaps.
