@@ -393,6 +393,21 @@ def test_profile_regions_puts_every_decided_region_in_a_named_range(tmp_path, mo
     assert [(c.calls, c.fallbacks) for c in be.kernel_calls] == [(1, 0)]  # the kernel ran, inside its range
 
 
+def _swapped_against_eager(fn, make_args, monkeypatch) -> tuple[list, fb.Backend]:
+    """fn through the backend with every region swapped for a stand-in kernel (_fake_resolve): three calls on
+    fresh inputs, each equal to fn's own; (the stand-ins called, the backend)."""
+    calls: list = []
+    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
+    be = fb.Backend(miss="eager", interpreter=True)
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend=be)
+    for _ in range(3):
+        args = make_args()
+        torch.testing.assert_close(f(*args), fn(*args))
+    torch._dynamo.reset()
+    return calls, be
+
+
 def _written_around_a_region(x, w):
     t = x.clone()
     t.mul_(2.0)  # an in-place method whose return value nothing reads
@@ -403,16 +418,9 @@ def test_a_swapped_graph_keeps_in_place_writes(monkeypatch):
     """The backend's swap (backend._swapped) cleans up the region's own nodes afterwards; fx's own dead-code pass
     counted `t.mul_(2.0)` pure and dropped it, so the region and the sum read t unscaled (forge/fold.py
     eliminate_dead_code)."""
-    calls: list = []
-    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
-    be = fb.Backend(miss="eager", interpreter=True)
-    torch._dynamo.reset()
-    f = torch.compile(_written_around_a_region, backend=be)
-    for _ in range(3):
-        x, w = torch.randn(8, 32), torch.randn(32)
-        torch.testing.assert_close(f(x, w), _written_around_a_region(x, w))
+    calls, _ = _swapped_against_eager(_written_around_a_region, lambda: (torch.randn(8, 32), torch.randn(32)),
+                                      monkeypatch)
     assert calls == ["rmsnorm", "rmsnorm"]  # swapped from the second call on
-    torch._dynamo.reset()
 
 
 def _written_part_way(x):
@@ -426,18 +434,10 @@ def test_a_region_is_not_matched_across_an_in_place_write_into_what_it_reads(mon
     """The rmsnorm spelling spans a write into t: a kernel at its root would read t once, after the write. The
     region is refused (found by tests/test_backend_programs.py), the mean alone is a region, values are eager's,
     and the reason names the write."""
-    calls: list = []
-    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
-    be = fb.Backend(miss="eager", interpreter=True)
-    torch._dynamo.reset()
-    f = torch.compile(_written_part_way, backend=be)
-    for _ in range(3):
-        x = torch.randn(8, 32)
-        torch.testing.assert_close(f(x), _written_part_way(x))
+    calls, be = _swapped_against_eager(_written_part_way, lambda: (torch.randn(8, 32),), monkeypatch)
     assert calls == ["reduce", "reduce"]
     reasons = [why for *_, why in be.unmatched]
     assert any(why.startswith("an in-place write (method mul_) between the nodes of its") for why in reasons), reasons
-    torch._dynamo.reset()
 
 
 def _written_elsewhere(x):
@@ -449,13 +449,5 @@ def _written_elsewhere(x):
 
 
 def test_a_write_into_another_tensor_between_a_regions_nodes_leaves_the_match(monkeypatch):
-    calls: list = []
-    monkeypatch.setattr(shim, "resolve", _fake_resolve(calls))
-    be = fb.Backend(miss="eager", interpreter=True)
-    torch._dynamo.reset()
-    f = torch.compile(_written_elsewhere, backend=be)
-    for _ in range(3):
-        x = torch.randn(8, 32)
-        torch.testing.assert_close(f(x), _written_elsewhere(x))
+    calls, _ = _swapped_against_eager(_written_elsewhere, lambda: (torch.randn(8, 32),), monkeypatch)
     assert "rmsnorm" in calls
-    torch._dynamo.reset()
