@@ -66,6 +66,7 @@ PIECES = (
     "{v} = {t} * torch.rsqrt({t}_s + 1e-6)",
     "{t} = {a}.clone(); {t}_s = torch.softmax({t}, -1); {t}.view(-1)[:7].mul_(-1.0); {v} = {t}_s * {t}",  # via a view
     "{t} = {a} * 1.0; {v} = torch.softmax({t}, -1); {v}.mul_(2.0)",  # a write into a region's output
+    "{v} = {a} * (2.0 if float({b}.sum()) > 0 else -1.0)",  # data-dependent: a graph break, two graphs
 )
 WRITE_INPUT = "x.mul_(0.5)"  # an in-place write into the caller's tensor, as the first statement
 
