@@ -49,7 +49,7 @@ _WRITING_OPERATORS = frozenset({operator.setitem, operator.delitem, operator.iad
                                 operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul})
 
 
-def _mutates(node) -> bool:
+def mutates(node) -> bool:
     """Whether `node` may write into an argument: an in-place method or function (trailing underscore; and
     __setitem__, __iadd__ ...), an in-place operator or item assignment, or an out=/inplace=True keyword."""
     if node.op == "call_function" and node.target in _WRITING_OPERATORS:
@@ -64,13 +64,13 @@ def _mutates(node) -> bool:
 
 def eliminate_dead_code(graph) -> int:
     """Erase the nodes of `graph` whose value nothing reads, as graph.eliminate_dead_code() does, but never one
-    that writes into an argument (_mutates) or is impure by fx's own rule (random ops, side effects). fx counts
+    that writes into an argument (mutates) or is impure by fx's own rule (random ops, side effects). fx counts
     every call_method pure, so its own pass erased `t.mul_(1.5)` where the method's return value was unused (as
     it always is in `t.mul_(1.5); y = t + x`): the write was lost and y wrong. Every rewrite of a captured graph
     (fold.simplify, the backend's swaps, cudagraph.split_tail) cleans up through here. Returns how many went."""
     erased = 0
     for n in reversed(list(graph.nodes)):
-        if n.users or n.op in ("placeholder", "output") or _mutates(n) or n.is_impure():
+        if n.users or n.op in ("placeholder", "output") or mutates(n) or n.is_impure():
             continue
         graph.erase_node(n)
         erased += 1
@@ -148,7 +148,7 @@ def _escapes(node) -> bool:
     while todo:
         m = todo.pop()
         for u in m.users:
-            if u.op == "output" or _mutates(u):
+            if u.op == "output" or mutates(u):
                 return True
             name = u.target if isinstance(u.target, str) else getattr(u.target, "__name__", "")
             if name in _ALIASING and u not in seen:

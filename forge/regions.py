@@ -90,12 +90,12 @@ def _region_nodes(root, leaves: set) -> list:
 
 def _writes(graph, order: dict) -> list[tuple[int, Any, str]]:
     """(position, the written tensor's node, a description) of each node of the graph that writes into an
-    argument in place (forge/fold.py _mutates: x.mul_(k), x[i] = v, x += y, out=)."""
-    from forge.fold import _mutates
+    argument in place (forge/fold.py mutates: x.mul_(k), x[i] = v, x += y, out=)."""
+    from forge.fold import mutates
 
     out = []
     for w in graph.gm.graph.nodes:
-        if w.op in ("call_function", "call_method") and _mutates(w):
+        if w.op in ("call_function", "call_method") and mutates(w):
             target = w.kwargs.get("out", w.args[0] if w.args else None)
             if target is not None:
                 out.append((order[w], target, _describe_call(w)))
