@@ -5,12 +5,12 @@ allocates its result, timed as forge bench times a torch-op contestant (Bench.ca
 is checked against eager's before it is timed.
 
 Schemes (K and N padded with zeros; the extra output columns are never kept):
-  forge      forge/fused.py _matmul_aligned as committed (the torch-op candidate the search times)
-  pad16      K and N padded to 16 B with F.pad, storage rows to 128 B (_matmul_aligned at 75fc458)
+  forge      forge/fused.py _matmul_aligned as committed (the torch-op candidate the search times; at 75fc458
+             K and N padded to 16 B with F.pad, the copies' storage rows to 128 B)
   pad128     K and N padded to 128 B (5952, 3008; stop 32's first version)
-  pad16m     pad16 with M padded to 16 B too (8208 rows; Inductor's pad_mm shape mm(8208x5928, 5928x2952))
-  pad16view  pad16 returning the output's first N columns as a strided view (the copy's cost; NOT a valid
-             forge result, eager's layout is contiguous)
+  pad16m     K, N and M padded to 16 B (8208 rows; Inductor's pad_mm shape mm(8208x5928, 5928x2952))
+  pad16view  K and N padded to 16 B, the output's first N columns returned as a strided view (the copy's cost;
+             NOT a valid forge result, eager's layout is contiguous)
   gemm       torch.matmul on operands padded once before timing (the GEMM alone: a lower bound)
   strided    no padded GEMM: A and B copied (one copy kernel each, nothing filled) into storage whose rows are
              16-byte multiples, viewed at their own K and N; cuBLAS writes C into rows of 16-byte multiples too
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -49,17 +48,6 @@ def schemes(torch, fused):
         a2 = pad(a, (0, kp - k, 0, mp - m)) if (kp, mp) != (k, m) else a
         b2 = pad(b, (0, np_ - n, 0, kp - k)) if (kp, np_) != (k, n) else b
         return a2, b2
-
-    def pad16(inputs):
-        a, b = inputs
-        e, k, n = a.element_size(), a.shape[1], b.shape[1]
-        kp, np_ = up(k, max(1, 16 // e)), up(n, max(1, 16 // e))
-        if kp != k:
-            a = pad(a, (0, up(kp, 128 // e) - k))[:, :kp]
-        if kp != k or np_ != n:
-            b = pad(b, (0, up(np_, 128 // e) - n, 0, kp - k))[:, :np_]
-        out = torch.matmul(a, b)
-        return out[:, :n].contiguous() if np_ != n else out
 
     def pad128(inputs):
         a, b = inputs
@@ -104,7 +92,6 @@ def schemes(torch, fused):
         "strided": strided,
         "stridedc": stridedc,
         "forge": lambda inputs: fused._matmul_aligned(inputs, {}),
-        "pad16": pad16,
         "pad128": pad128,
         "pad16m": pad16m,
         "pad16view": pad16view,
@@ -125,6 +112,7 @@ def main() -> int:
 
     from forge import fused, ops
     from forge.env import collect_env
+    from forge.tuner.stats import Quantiles
     from forge.tuner.timing import Bench
 
     opmod = ops.get("matmul").module
@@ -148,11 +136,10 @@ def main() -> int:
             del want, got
             samplers[name] = bench.prepare(bench.call_fn(call))
             benches.append(bench)
-        # the GEMM alone: operands padded once (16 B, as pad16), only torch.matmul timed
+        # the GEMM alone: each timing set's operands padded once (K and N to 16 B), only torch.matmul timed
         bench = Bench(opmod, spec, "cuda", 0)
-        pre = [padded(*inp, 16, 16, None) for inp in bench.inputs]
-        samplers["gemm"] = bench.prepare(bench.call_fn(
-            lambda inputs, pre=pre, bench=bench: torch.matmul(*pre[_index(bench, inputs)])))
+        pre = {id(inp): padded(*inp, 16, 16, None) for inp in bench.inputs}
+        samplers["gemm"] = bench.prepare(bench.call_fn(lambda inputs, pre=pre: torch.matmul(*pre[id(inputs)])))
         benches.append(bench)
         samples: dict[str, list[float]] = {n: [] for n in samplers}
         for r in range(args.rounds + 5):
@@ -160,8 +147,7 @@ def main() -> int:
                 v = s()
                 if r >= 5:  # the first rounds settle the clocks
                     samples[name].append(v)
-        results[dtype] = {n: {"p20": _q(v, 0.2), "p50": statistics.median(v), "p80": _q(v, 0.8), "n": len(v)}
-                          for n, v in samples.items()}
+        results[dtype] = {n: Quantiles.of(v).to_dict() for n, v in samples.items()}
         samplers = benches = bench = pre = None  # the timing sets' memory, before the next dtype's
         torch.cuda.empty_cache()
 
@@ -180,18 +166,6 @@ def main() -> int:
             print(f"  {name:10} {q['p50']:8.1f} {q['p50'] / base:7.3f} "
                   f"{q['p50'] / comp if comp else float('nan'):7.3f}   p20 {q['p20']:.1f} p80 {q['p80']:.1f}")
     return 0
-
-
-def _index(bench, inputs) -> int:
-    for i, inp in enumerate(bench.inputs):
-        if inp is inputs:
-            return i
-    raise ValueError("not one of the bench's input sets")
-
-
-def _q(v: list[float], p: float) -> float:
-    s = sorted(v)
-    return s[min(len(s) - 1, int(p * len(s)))]
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """bench/h200_session.py's models and pad parts: what they run and what they report, with bench/models.py and
-bench/pad_probe.py faked (the real runs need a GPU)."""
+bench/pad_probe.py faked (the real runs need a GPU); the pad probe's schemes' values on CPU."""
 
 from __future__ import annotations
 
 import json
 import types
+
+import pytest
+import torch
 
 from tests.conftest import load_bench
 
@@ -76,3 +79,25 @@ def test_pad_part_runs_the_probe_and_reports_each_scheme_against_compile(tmp_pat
                      "  bfloat16  compile       473.0 us (1.000x compile)"]
     monkeypatch.setattr(hs, "run", lambda cmd, limit, log: ("timeout after 150 s", 150.0))
     assert hs.pad(out, tmp_path / "other", types.SimpleNamespace(pad_limit=150.0))[1] == "  (no pad-probe.json)"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pad_probe_schemes_are_the_product_in_their_layouts(dtype):
+    """bench/pad_probe.py's padding schemes (timed on a GPU) at a small misaligned shape: each is A @ B; every
+    scheme but the view returns eager's contiguous layout; `padded` zero-fills what it adds."""
+    from forge import fused
+
+    pp = load_bench("pad_probe")
+    calls, padded = pp.schemes(torch, fused)
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(37, 29, generator=gen).to(dtype), torch.randn(29, 19, generator=gen).to(dtype)
+    want = a.double() @ b.double()
+    assert sorted(calls) == ["forge", "pad128", "pad16m", "pad16view", "strided", "stridedc"]
+    for name, call in calls.items():
+        got = call([a, b])
+        assert got.shape == (37, 19) and got.dtype == dtype and got.is_contiguous() == (name != "pad16view"), name
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=5e-2, msg=lambda m, n=name: f"{n}: {m}")
+    a2, b2 = padded(a, b, 16, 16, 16)
+    per = 16 // a.element_size()
+    assert a2.shape == (-(-37 // per) * per, -(-29 // per) * per) and b2.shape == (a2.shape[1], -(-19 // per) * per)
+    assert not a2[37:].any() and not a2[:, 29:].any() and not b2[29:].any() and not b2[:, 19:].any()
