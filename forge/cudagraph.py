@@ -54,9 +54,6 @@ TAIL_MIN_BYTES = 1 << 20
 
 # fx targets that write into their first argument (or, for setitem, into the indexed tensor): names with a
 # trailing underscore (add_, copy_, index_copy_), setitem and the augmented assignments (x += y on a tensor)
-_INPLACE_EXCEPTIONS = frozenset({"requires_grad_"})
-_AUGMENTED = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
-                        "ilshift", "irshift", "imatmul", "setitem"})
 _VIEW_OPS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "getitem",
                        "narrow", "select", "as_strided", "t", "flatten", "unflatten", "contiguous", "view_as",
                        "expand_as", "split", "chunk", "unbind", "detach", "alias"})
@@ -147,8 +144,11 @@ def _name(node) -> str:
 
 
 def mutated_inputs(gm) -> set[int]:
-    """Indices of the placeholders of `gm` that some node writes into in place (an op named with a trailing
-    underscore, setitem, or an out= argument), directly or through views of them."""
+    """Indices of the placeholders of `gm` that some node writes into in place (forge/fold.py written_by: an op
+    named with a trailing underscore, setitem, an augmented assignment, out=, inplace=True), directly or through
+    views of them."""
+    from forge.fold import written_by
+
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     root: dict = {n: i for i, n in enumerate(placeholders)}
     out: set[int] = set()
@@ -159,15 +159,9 @@ def mutated_inputs(gm) -> set[int]:
         first = n.args[0] if n.args else None
         if name in _VIEW_OPS and first in root:
             root[n] = root[first]  # a view (or, conservatively, a copy) of an input: writes to it count
-        written = []
-        if (name.endswith("_") and not name.startswith("_") and name not in _INPLACE_EXCEPTIONS) or name in _AUGMENTED:
-            written.append(first)
-        if "out" in n.kwargs:
-            written.append(n.kwargs["out"])
-        for w in written:
-            for t in (w if isinstance(w, (tuple, list)) else (w,)):
-                if t in root:
-                    out.add(root[t])
+        for t in written_by(n):
+            if t in root:
+                out.add(root[t])
     return out
 
 

@@ -62,6 +62,26 @@ def mutates(node) -> bool:
     return "out" in node.kwargs or bool(node.kwargs.get("inplace", False))
 
 
+# Named with a trailing underscore but writing no tensor's values (autograd's flag): not a data write for
+# written_by. Still kept by eliminate_dead_code (mutates), whose erasing it would change autograd's view.
+_NOT_DATA_WRITES = frozenset({"requires_grad_"})
+
+
+def written_by(node) -> list:
+    """The arguments (fx Nodes or values) whose tensors `node` writes into in place: its out= argument, else its
+    first argument, where `mutates(node)`; empty otherwise and for _NOT_DATA_WRITES. The one rule the region
+    finder (a write between a region's nodes) and the CUDA graphs (a write into an input) read."""
+    if node.op not in ("call_function", "call_method") or not mutates(node):
+        return []
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name in _NOT_DATA_WRITES:
+        return []
+    target = node.kwargs.get("out", node.args[0] if node.args else None)
+    if target is None:
+        return []
+    return list(target) if isinstance(target, (tuple, list)) else [target]
+
+
 def eliminate_dead_code(graph) -> int:
     """Erase the nodes of `graph` whose value nothing reads, as graph.eliminate_dead_code() does, but never one
     that writes into an argument (mutates) or is impure by fx's own rule (random ops, side effects). fx counts

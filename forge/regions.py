@@ -88,18 +88,12 @@ def _region_nodes(root, leaves: set) -> list:
     return seen
 
 
-def _writes(graph, order: dict) -> list[tuple[int, Any, str]]:
-    """(position, the written tensor's node, a description) of each node of the graph that writes into an
-    argument in place (forge/fold.py mutates: x.mul_(k), x[i] = v, x += y, out=)."""
-    from forge.fold import mutates
+def _writes(graph, order: dict) -> list[tuple[int, list, str]]:
+    """(position, the written arguments, a description) of each node of the graph that writes into an argument
+    in place (forge/fold.py written_by: x.mul_(k), x[i] = v, x += y, out=, inplace=True)."""
+    from forge.fold import written_by
 
-    out = []
-    for w in graph.gm.graph.nodes:
-        if w.op in ("call_function", "call_method") and mutates(w):
-            target = w.kwargs.get("out", w.args[0] if w.args else None)
-            if target is not None:
-                out.append((order[w], target, _describe_call(w)))
-    return out
+    return [(order[w], targets, _describe_call(w)) for w in graph.gm.graph.nodes if (targets := written_by(w))]
 
 
 def _written_inside(graph, region: Region, order: dict, writes: list) -> str | None:
@@ -119,8 +113,7 @@ def _written_inside(graph, region: Region, order: dict, writes: list) -> str | N
 
     read = {storage(graph.values.get(m)) for m in [*region.nodes, *region.leaves] if not isinstance(m, str)}
     read.discard(None)
-    for _, t, what in inside:
-        targets = t if isinstance(t, (tuple, list)) else (t,)
+    for _, targets, what in inside:
         if any(storage(graph.values.get(x)) in read for x in targets if not isinstance(x, str)):
             return what
     return None

@@ -341,3 +341,14 @@ def test_split_tail_keeps_an_in_place_write_in_the_head():
     assert any(n.target == "mul_" for n in head.graph.nodes)
     for got, want in zip(finish(head(x, wh, w)), scaled(x, wh, w), strict=True):
         assert torch.equal(got, want)
+
+
+def test_mutated_inputs_reads_the_one_in_place_rule():
+    """forge/fold.py written_by: an inplace=True keyword writes into its input too (the rule of its own that
+    mutated_inputs had missed it); requires_grad_ writes no values."""
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    g.call_function(torch.nn.functional.relu, (x,), {"inplace": True})
+    g.call_method("requires_grad_", (y,))
+    g.output(y)
+    assert mutated_inputs(fx.GraphModule(torch.nn.Module(), g)) == {0}
